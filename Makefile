@@ -1,0 +1,27 @@
+# The two commands of the README: `make test` (lint + test suite) and `make demo` (the main job).
+# Each creates .venv on a fresh machine and installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test lint unit venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+unit: $(STAMP)
+	$(BIN)/pytest
+
+test: lint unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
