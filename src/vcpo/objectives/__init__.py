@@ -1,16 +1,19 @@
 """Off-policy policy-gradient objectives as pure functions of per-token tensors.
 
 ``get_objective(name)(ObjectiveInputs(...), loss_agg=..., **hyperparameters)`` returns an
-``ObjectiveOutput(loss, metrics)``. Each objective lives in its own module and registers itself.
+``ObjectiveOutput(loss, metrics)``. Each objective lives in its own module of this package and
+registers itself with ``@register("name")``; every module here is imported once, below.
 """
 
-from vcpo.objectives import (  # noqa: F401  (imported for their registrations)
-    ppo_clip,
-    reinforce,
-)
+import importlib
+import pkgutil
+
 from vcpo.objectives.aggregation import LOSS_AGG_MODES, aggregate
 from vcpo.objectives.registry import get_objective, list_objectives, objective_hyperparameters, register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "LOSS_AGG_MODES",
