@@ -1,0 +1,145 @@
+"""OPOB, VCPO's closed-form off-policy optimal baseline (arXiv 2602.17616, §8.3), and the per-group
+reductions over arbitrary integer group ids that every group advantage estimator shares."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+OPOB_WEIGHTINGS = ("paper", "authors_code")
+
+
+def check_vectors(**vectors: Tensor | None) -> int:
+    """The length B shared by the given 1-D tensors (None ones are skipped).
+
+    Raises ValueError naming every tensor and its shape when they are not non-empty, 1-D and of one length.
+    """
+    shapes = {name: tuple(v.shape) for name, v in vectors.items() if v is not None}
+    lengths = {s[0] if len(s) == 1 else -1 for s in shapes.values()}
+    if len(lengths) != 1 or min(lengths) <= 0:
+        described = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(f"expected non-empty 1-D tensors of one length B, got {described}")
+    return lengths.pop()
+
+
+def float_dtype(*tensors: Tensor) -> torch.dtype:
+    """The promoted floating dtype of the tensors (the default dtype when none is floating)."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype if dtype.is_floating_point else torch.get_default_dtype()
+
+
+def group_index(group_ids: Tensor) -> tuple[Tensor, int]:
+    """``(inverse_B, n_groups)``: each sequence's dense group index in [0, n_groups), for any integer ids."""
+    if group_ids.dtype.is_floating_point or group_ids.dtype.is_complex or group_ids.dtype == torch.bool:
+        raise ValueError(f"group_ids must be an integer tensor, got dtype {group_ids.dtype}")
+    unique_G, inverse_B = torch.unique(group_ids, return_inverse=True)
+    return inverse_B, unique_G.numel()
+
+
+def group_sum(x_B: Tensor, inverse_B: Tensor, n_groups: int) -> Tensor:
+    """[G] sum of ``x_B`` over each group."""
+    return torch.zeros(n_groups, dtype=x_B.dtype, device=x_B.device).index_add_(0, inverse_B, x_B)
+
+
+def group_mean(x_B: Tensor, inverse_B: Tensor, n_groups: int) -> Tensor:
+    """[G] mean of ``x_B`` over each group."""
+    return group_sum(x_B, inverse_B, n_groups) / group_sum(torch.ones_like(x_B), inverse_B, n_groups)
+
+
+def group_population_std(x_B: Tensor, inverse_B: Tensor, n_groups: int) -> Tensor:
+    """[G] population std ``sqrt(mean_g (x - mean_g)^2)`` (divides by n, not n - 1)."""
+    centered_B = x_B - group_mean(x_B, inverse_B, n_groups)[inverse_B]
+    return group_mean(centered_B.square(), inverse_B, n_groups).sqrt()
+
+
+def _check_opob_options(weighting: str, cap: float) -> None:
+    if weighting not in OPOB_WEIGHTINGS:
+        raise ValueError(f"unknown OPOB weighting {weighting!r}; valid weightings: {', '.join(OPOB_WEIGHTINGS)}")
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"OPOB cap must be a finite number > 0, got {cap!r}")
+
+
+def _opob_group_baseline(
+    rewards_B: Tensor, logw_B: Tensor, grad_sq_norms_B: Tensor, inverse_B: Tensor, n_groups: int,
+    weighting: str, cap: float,
+) -> Tensor:
+    """[G] OPOB baseline of each group; inputs are already detached, validated and of one float dtype."""
+    if bool((grad_sq_norms_B < 0).any()):
+        raise ValueError("grad_sq_norms must be >= 0 (they are squared gradient norms)")
+    # log(W^2 G); G = 0 gives -inf, a weight of exactly 0.
+    log_weight_B = 2 * logw_B + torch.log(grad_sq_norms_B)
+    if weighting == "authors_code":
+        log_weight_B = log_weight_B + 2 * logw_B.clamp(max=math.log(cap))
+    shift_G = torch.full((n_groups,), -math.inf, dtype=log_weight_B.dtype, device=log_weight_B.device)
+    shift_G = shift_G.scatter_reduce(0, inverse_B, log_weight_B, reduce="amax")
+    shift_B = shift_G[inverse_B]
+    # A group whose largest log-weight is not finite (all G = 0, or an infinite or nan weight) has no
+    # usable weighting: zero weights send it to the mean-reward fallback below.
+    weight_B = torch.where(torch.isfinite(shift_B), torch.exp(log_weight_B - shift_B), torch.zeros_like(shift_B))
+    denominator_G = group_sum(weight_B, inverse_B, n_groups)
+    numerator_G = group_sum(weight_B * rewards_B, inverse_B, n_groups)
+    usable_G = torch.isfinite(denominator_G) & (denominator_G > 0)
+    safe_denominator_G = torch.where(usable_G, denominator_G, torch.ones_like(denominator_G))
+    return torch.where(usable_G, numerator_G / safe_denominator_G, group_mean(rewards_B, inverse_B, n_groups))
+
+
+def _opob_prepare(
+    rewards: Tensor, logw: Tensor, grad_sq_norms: Tensor, group_ids: Tensor, weighting: str, cap: float,
+) -> tuple[Tensor, Tensor, int, Tensor]:
+    """Validated float rewards_B, inverse_B, n_groups and the OPOB baseline b_G of each group."""
+    check_vectors(rewards=rewards, logw=logw, grad_sq_norms=grad_sq_norms, group_ids=group_ids)
+    _check_opob_options(weighting, cap)
+    dtype = float_dtype(rewards, logw, grad_sq_norms)
+    rewards_B, logw_B, grad_sq_norms_B = (t.detach().to(dtype) for t in (rewards, logw, grad_sq_norms))
+    inverse_B, n_groups = group_index(group_ids)
+    baseline_G = _opob_group_baseline(rewards_B, logw_B, grad_sq_norms_B, inverse_B, n_groups, weighting, cap)
+    return rewards_B, inverse_B, n_groups, baseline_G
+
+
+def opob_baseline(
+    rewards: Tensor, logw: Tensor, grad_sq_norms: Tensor, group_ids: Tensor, *,
+    weighting: str = "paper", cap: float = 8.0,
+) -> Tensor:
+    """[B] OPOB baseline of each sequence's group (VCPO, arXiv 2602.17616, §8.3).
+
+    ``weighting="paper"`` (default), the paper's formula, minimising ``E[W^2 (R - b)^2 ||grad log pi||^2]``:
+        ``b_g = sum_{i in g} W_i^2 G_i R_i / sum_{i in g} W_i^2 G_i``
+    ``weighting="authors_code"`` reproduces the authors' released code, which measures ``G_i`` on a
+    gradient that already carries the truncated weight ``min(W_i, cap)``; given the plain ``G_i`` this is
+        ``b_g = sum W_i^2 min(W_i, cap)^2 G_i R_i / sum W_i^2 min(W_i, cap)^2 G_i``
+    (about ``W^4`` for ``W < cap``). ``cap`` is used only by ``"authors_code"``.
+
+    ``W_i = exp(logw_i)`` exactly as given: the caller decides clipped or not. ``G_i >= 0`` is the
+    squared norm of the trajectory's score gradient (see ``trajectory_grad_sq_norms``); ``G_i = 0``
+    is allowed. Computed in log space, ``w_i = exp(log(W_i^2 G_i) - max_{j in g} log(W_j^2 G_j))``, so
+    log-weights of +-1000 are fine. A group whose denominator is zero or not finite falls back to its
+    mean reward. ``group_ids`` are arbitrary integers. Everything is detached: the baseline is a constant.
+    """
+    _, inverse_B, _, baseline_G = _opob_prepare(rewards, logw, grad_sq_norms, group_ids, weighting, cap)
+    return baseline_G[inverse_B]
+
+
+def opob_advantages(
+    rewards: Tensor, logw: Tensor, grad_sq_norms: Tensor, group_ids: Tensor, eps: float = 1e-8, *,
+    weighting: str = "paper", cap: float = 8.0,
+) -> Tensor:
+    """[B] VCPO advantages ``Ahat_i = (R_i - b_g) / sigma_g`` with the OPOB baseline (arXiv 2602.17616, §8.3).
+
+    ``sigma_g`` is the population std of the group's rewards; when ``sigma_g <= eps`` (default 1e-8)
+    the advantage is ``R_i - b_g`` unscaled. ``weighting`` and ``cap`` are those of ``opob_baseline``
+    (``"paper"``: ``W^2 G``; ``"authors_code"``: ``W^2 min(W, cap)^2 G``). This replaces GRPO's
+    mean-centering; the result is detached.
+    """
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"opob_advantages: eps must be a finite number >= 0, got {eps!r}")
+    rewards_B, inverse_B, n_groups, baseline_G = _opob_prepare(
+        rewards, logw, grad_sq_norms, group_ids, weighting, cap
+    )
+    sigma_B = group_population_std(rewards_B, inverse_B, n_groups)[inverse_B]
+    centered_B = rewards_B - baseline_G[inverse_B]
+    scaled_B = sigma_B > eps
+    return torch.where(scaled_B, centered_B / torch.where(scaled_B, sigma_B, torch.ones_like(sigma_B)), centered_B)
