@@ -294,7 +294,7 @@ def test_estimators_reject_mismatched_shapes():
 
 
 def tiny_qwen2(tie: bool = False) -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
         vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

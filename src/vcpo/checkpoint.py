@@ -1,0 +1,253 @@
+"""Atomic training checkpoints: Hugging Face weights (safetensors) + tokenizer, optimizer, trainer state, RNG.
+
+Layout: ``run_dir/checkpoints/step_000010/`` (loadable with ``from_pretrained``) and a ``latest`` file naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from vcpo.metrics import fsync_dir
+
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+LATEST_FILE = "latest"
+
+
+class CheckpointError(Exception):
+    """A missing, incomplete or corrupt checkpoint; the message is one line naming the path."""
+
+
+def _step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _one_line(error: BaseException) -> str:
+    """A library error squeezed onto one line (torch's state-dict errors span many)."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return f"{type(error).__name__}: {text[:300]}"
+
+
+@contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    """Silence transformers' 'Writing model shards' bar so a checkpoint does not break the trainer's display."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _rng_state(generators: dict[str, torch.Generator] | None) -> dict[str, Any]:
+    """Every RNG state as tensors and plain Python values, so that ``torch.load(weights_only=True)`` reads it."""
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (np_name, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss),
+        "torch": torch.get_rng_state(),
+        "generators": {name: g.get_state() for name, g in (generators or {}).items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator] | None) -> None:
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    random.setstate(state["python"])
+    np.random.set_state((np_name, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    for name, generator in (generators or {}).items():
+        generator.set_state(state["generators"][name])
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush every file under ``directory`` to disk before it is renamed into place."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(directory)
+
+
+def _write_latest(ckpt_root: Path, name: str) -> None:
+    tmp = ckpt_root / f"{LATEST_FILE}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt_root / LATEST_FILE)
+    fsync_dir(ckpt_root)
+
+
+def _complete_steps(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every finished checkpoint, oldest first; .tmp dirs of interrupted saves never match."""
+    found = []
+    if ckpt_root.is_dir():
+        for path in ckpt_root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and path.is_dir() and (path / "trainer_state.json").is_file():
+                found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    generators: dict[str, torch.Generator] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Write ``run_dir/checkpoints/step_{step:06d}/`` atomically and return it.
+
+    Contents: the model (``save_pretrained``, safetensors) and tokenizer, ``optimizer.pt``,
+    ``trainer_state.json`` (``trainer_state`` plus ``step``) and ``rng.pt`` (Python, NumPy, torch
+    CPU/CUDA states and each named generator's state). Everything is written into a
+    ``.tmp-<pid>`` directory that is renamed into place only when complete; then ``latest`` is
+    replaced atomically, and all but the ``keep`` newest checkpoints (and leftovers of interrupted
+    saves: one writer per run directory) are deleted.
+    """
+    if keep < 1:
+        raise CheckpointError(f"keep must be >= 1 checkpoints, got {keep}")
+    ckpt_root = Path(run_dir) / "checkpoints"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / _step_dir_name(step)
+    tmp = ckpt_root / f"{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        state_json = json.dumps({**trainer_state, "step": step}, indent=2)
+    except TypeError as e:
+        raise CheckpointError(f"trainer_state for step {step} is not JSON-serialisable: {e}") from None
+    with _quiet_progress_bars():
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(_rng_state(generators), tmp / "rng.pt")
+    # trainer_state.json last: its presence is what marks a step directory complete.
+    (tmp / "trainer_state.json").write_text(state_json + "\n", encoding="utf-8")
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving a step (e.g. after a resume): move the old copy aside, never mix the two
+        old = ckpt_root / f"{final.name}.old-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(ckpt_root)
+    _write_latest(ckpt_root, final.name)
+
+    for _, path in _complete_steps(ckpt_root)[:-keep]:
+        if path != final:
+            shutil.rmtree(path)
+    for path in ckpt_root.glob("step_*.tmp-*"):
+        shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint to resume from: the one ``latest`` names if it is complete, else the newest complete one."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    latest = ckpt_root / LATEST_FILE
+    if latest.is_file():
+        name = latest.read_text(encoding="utf-8").strip()
+        if _STEP_DIR.match(name) and (ckpt_root / name / "trainer_state.json").is_file():
+            return ckpt_root / name
+    complete = _complete_steps(ckpt_root)
+    return complete[-1][1] if complete else None
+
+
+def _weight_files(ckpt_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: one file, or the shards listed by the index."""
+    single = ckpt_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        return [ckpt_dir / shard for shard in shards]
+    raise CheckpointError(f"checkpoint {ckpt_dir} is incomplete: no model.safetensors")
+
+
+def _load_weights(ckpt_dir: Path, model: torch.nn.Module) -> None:
+    """Copy the saved tensors into ``model``; keys omitted because they are tied to a saved one are fine."""
+    saved: dict[str, torch.Tensor] = {}
+    for path in _weight_files(ckpt_dir):
+        try:
+            saved.update(load_file(path))
+        except Exception as e:
+            raise CheckpointError(f"checkpoint weights {path} are corrupt: {_one_line(e)}") from None
+    try:
+        result = model.load_state_dict(saved, strict=False)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {ckpt_dir} does not fit the model: {_one_line(e)}") from None
+    # save_pretrained drops tied copies (e.g. lm_head.weight = embed_tokens.weight); the loaded twin fills them.
+    params = model.state_dict()
+    loaded_ptrs = {params[k].data_ptr() for k in params if k in saved}
+    untied_missing = [k for k in result.missing_keys if params[k].data_ptr() not in loaded_ptrs]
+    if untied_missing or result.unexpected_keys:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} does not fit the model: missing {untied_missing[:3]}, "
+            f"unexpected {result.unexpected_keys[:3]}"
+        )
+
+
+def load_checkpoint(
+    ckpt_dir: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    generators: dict[str, torch.Generator] | None = None,
+) -> dict[str, Any]:
+    """Restore weights into ``model``, the optimizer state, every RNG and the named generators; return trainer_state.
+
+    ``optimizer=None`` loads weights (and RNG) only, e.g. for evaluation.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"checkpoint not found: {ckpt_dir}")
+    for name in ("trainer_state.json", "rng.pt") + (("optimizer.pt",) if optimizer is not None else ()):
+        if not (ckpt_dir / name).is_file():
+            raise CheckpointError(f"checkpoint {ckpt_dir} is incomplete: no {name}")
+    try:
+        trainer_state = json.loads((ckpt_dir / "trainer_state.json").read_text(encoding="utf-8"))
+        # On CPU first: load_state_dict moves optimizer state to each parameter's device, wherever it was saved.
+        rng = torch.load(ckpt_dir / "rng.pt", map_location="cpu", weights_only=True)
+        optim_state = (
+            torch.load(ckpt_dir / "optimizer.pt", map_location="cpu", weights_only=True)
+            if optimizer is not None
+            else None
+        )
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {ckpt_dir} is corrupt: {_one_line(e)}") from None
+    unknown = sorted((generators or {}).keys() - rng["generators"].keys())
+    if unknown:  # checked before anything is modified, so a failed load leaves the run untouched
+        raise CheckpointError(f"checkpoint {ckpt_dir} has no state for generator(s) {', '.join(unknown)}")
+    _load_weights(ckpt_dir, model)
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(optim_state)
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"checkpoint {ckpt_dir}/optimizer.pt does not fit the optimizer: {_one_line(e)}"
+            ) from None
+    _restore_rng(rng, generators)
+    return trainer_state

@@ -1,0 +1,206 @@
+"""Run configuration: pydantic models, YAML loading, dotted command-line overrides.
+
+``load_config(path, ["trainer.lr=1e-4", ...])`` returns a validated ``Config``; any unknown key or
+bad value raises ``ConfigError`` with one line naming it. The resolved config is saved with the run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A user-fixable problem with the configuration; its message is one line naming the culprit."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    path: str | None = None
+    """A local Hugging Face model directory; None = the embedded default, warm-started by SFT."""
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+
+
+class TaskConfig(_Strict):
+    name: str = "chain_sum"
+    """A reasoning-gym dataset name."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the reasoning-gym dataset config (e.g. digit counts)."""
+    eval_size: int = Field(200, gt=0)
+    """Held-out problems for ``eval/accuracy`` (a separate seed from the training stream)."""
+
+
+class SFTConfig(_Strict):
+    steps: int = Field(600, ge=0)
+    batch_size: int = Field(64, gt=0)
+    lr: float = Field(2e-3, gt=0)
+    cache_dir: str = ".cache/vcpo"
+    """Where the warm-started default model is cached, keyed by its settings."""
+
+
+class RolloutConfig(_Strict):
+    prompts_per_step: int = Field(16, gt=0)
+    group_size: int = Field(8, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(8, gt=0)
+
+
+class ObjectiveConfig(_Strict):
+    name: str = "vcpo"
+    loss_agg: str | None = None
+    """None = the objective's own default."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from vcpo.objectives import list_objectives
+
+        if v not in list_objectives():
+            raise ValueError(f"unknown objective {v!r}; valid: {', '.join(list_objectives())}")
+        return v
+
+
+class AdvantageConfig(_Strict):
+    estimator: Literal["grpo", "dr_grpo", "rloo", "opo", "opob"] = "opob"
+    opob_weighting: Literal["paper", "authors_code"] = "paper"
+    grad_norm_method: str = "exact"
+
+
+class ESSLRConfig(_Strict):
+    enabled: bool = True
+    rule: Literal["sqrt", "linear"] = "sqrt"
+    reference: float = Field(1.0, gt=0)
+
+
+class TrainerConfig(_Strict):
+    max_steps: int = Field(60, gt=0)
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    ess_lr: ESSLRConfig = Field(default_factory=ESSLRConfig)
+    eval_every: int = Field(10, ge=0)
+    """Steps between held-out evaluations (0 = only at the start and the end)."""
+    checkpoint_every: int = Field(10, ge=0)
+
+
+class AsyncConfig(_Strict):
+    mode: Literal["sync", "lagged", "async"] = "async"
+    max_staleness: int = Field(2, ge=0)
+    """k: the largest allowed policy lag of any token, in optimizer steps."""
+    drop_older_than: float | None = Field(None, ge=0)
+    """ROLL-Flash alpha: drop samples created more than alpha steps behind the trainer."""
+    inflight_updates: bool = False
+    """Apply new weights between decode steps, so one response may span versions."""
+    num_workers: int = Field(1, gt=0)
+
+
+class LoggingConfig(_Strict):
+    tensorboard: bool = False
+    progress: bool = True
+
+
+class Config(_Strict):
+    seed: int = 0
+    run_dir: str = "runs/quickstart"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+
+    @model_validator(mode="after")
+    def _objective_kwargs(self) -> Config:
+        from vcpo.objectives import objective_hyperparameters
+
+        allowed = objective_hyperparameters(self.objective.name)
+        for key in self.objective.kwargs:
+            if key in ("loss_agg", "max_len") or key not in allowed:
+                raise ValueError(
+                    f"objective.kwargs.{key}: not a hyperparameter of {self.objective.name!r} "
+                    f"(valid: {', '.join(k for k in allowed if k not in ('loss_agg', 'max_len'))})"
+                )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for i, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {'.'.join(keys[: i + 1])} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """``["a.b=1", "c=x"]`` -> ``[("a.b", 1), ("c", "x")]``; values are parsed as YAML scalars."""
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: cannot parse value ({exc.__class__.__name__})") from None
+        parsed.append((key.strip(), value))
+    return parsed
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "config"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return f"unknown config key {where!r}"
+    if not err["loc"]:  # a cross-field check: its message already names the key
+        return msg
+    return f"config key {where!r}: {msg} (got {err.get('input')!r})"
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_first_error(exc)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or start from defaults), apply dotted overrides, validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    return config_from_dict(tree)
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

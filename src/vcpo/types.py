@@ -1,0 +1,112 @@
+"""The trainer's domain vocabulary: problems, sampling settings, trajectories and batches.
+
+Every trajectory carries its provenance (per-token behavior log-probs and policy versions, the
+sampling settings, its prompt group); nothing is inferred later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One task instance: the prompt text shown to the model and what its scorer needs."""
+
+    uid: str
+    prompt: str
+    answer: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the rollout engine samples: the behavior log-probs are of this exact distribution."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+
+
+@dataclass
+class Generation:
+    """What the rollout engine returns for one prompt: response tokens with their provenance."""
+
+    response_ids: list[int]
+    behavior_logprobs: list[float]  # log mu(token | prefix) of the distribution actually sampled
+    versions: list[int]  # policy version that produced each response token
+    finished: bool  # ended with EOS (False: truncated at max_new_tokens)
+
+
+@dataclass
+class Trajectory:
+    """A scored response to a prompt, with everything the learner needs about where it came from."""
+
+    problem_uid: str
+    group_id: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behavior_logprobs: list[float]
+    versions: list[int]
+    reward: float
+    finished: bool
+    sampling: SamplingParams
+    response_text: str = ""
+
+    @property
+    def min_version(self) -> int:
+        return min(self.versions) if self.versions else 0
+
+
+@dataclass
+class Batch:
+    """Trajectories padded into [B, S] tensors, prompt then response, right-padded.
+
+    Position t of ``behavior_logprobs_BS`` / ``versions_BS`` refers to token ``input_ids_BS[b, t]``;
+    ``response_mask_BS`` is 1 on response tokens only (so position 0 is never counted).
+    """
+
+    input_ids_BS: Tensor
+    attention_mask_BS: Tensor
+    response_mask_BS: Tensor
+    behavior_logprobs_BS: Tensor
+    versions_BS: Tensor
+    rewards_B: Tensor
+    group_ids_B: Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids_BS.shape[0])
+
+    @classmethod
+    def from_trajectories(cls, trajectories: list[Trajectory], pad_id: int) -> Batch:
+        if not trajectories:
+            raise ValueError("cannot build a Batch from zero trajectories")
+        S = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+        B = len(trajectories)
+        input_ids = torch.full((B, S), pad_id, dtype=torch.long)
+        attention = torch.zeros((B, S), dtype=torch.long)
+        response = torch.zeros((B, S), dtype=torch.float32)
+        blp = torch.zeros((B, S), dtype=torch.float32)
+        versions = torch.zeros((B, S), dtype=torch.long)
+        for b, t in enumerate(trajectories):
+            p, r = len(t.prompt_ids), len(t.response_ids)
+            input_ids[b, : p + r] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
+            attention[b, : p + r] = 1
+            response[b, p : p + r] = 1.0
+            if r:
+                blp[b, p : p + r] = torch.tensor(t.behavior_logprobs, dtype=torch.float32)
+                versions[b, p : p + r] = torch.tensor(t.versions, dtype=torch.long)
+        return cls(
+            input_ids_BS=input_ids,
+            attention_mask_BS=attention,
+            response_mask_BS=response,
+            behavior_logprobs_BS=blp,
+            versions_BS=versions,
+            rewards_B=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+            group_ids_B=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
+        )
