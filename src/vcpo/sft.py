@@ -1,0 +1,212 @@
+"""Supervised warm start of the embedded default model (``vcpo sft``), cached by its settings, and greedy
+held-out accuracy.
+
+RL from a random model would see no reward at all; a short teacher-forced fine-tune on solved training
+problems brings the default policy to partial accuracy, leaving room for RL to improve it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from vcpo.config import Config
+from vcpo.models import default as default_model
+from vcpo.models.loading import load_policy
+from vcpo.tasks import Task, make_task
+from vcpo.types import Problem
+
+FORMAT_VERSION = 1  # bump when the model, tokenizer, prompt format or training recipe changes
+IGNORE_INDEX = -100  # label of prompt and padding positions: no loss there
+SUMMARY_FILE = "sft.json"
+
+console = Console()
+
+
+def cache_key(config: Config) -> str:
+    """A short hash of everything that determines the warm-started model."""
+    determinants = {
+        "format": FORMAT_VERSION,
+        "task": config.task.name,
+        "task_kwargs": config.task.kwargs,
+        "steps": config.sft.steps,
+        "batch_size": config.sft.batch_size,
+        "lr": config.sft.lr,
+        "seed": config.seed,
+        "architecture": [
+            default_model.HIDDEN_SIZE,
+            default_model.NUM_LAYERS,
+            default_model.NUM_HEADS,
+            default_model.INTERMEDIATE_SIZE,
+        ],
+    }
+    blob = json.dumps(determinants, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def warm_start(config: Config) -> Path:
+    """The model directory RL starts from.
+
+    ``model.path`` when set (returned unchanged); otherwise the default model, fine-tuned for
+    ``sft.steps`` steps and cached in ``{sft.cache_dir}/{task}-{cache_key}``. A cached directory is reused
+    as is; a new one is written to a temporary directory and renamed into place, so an interrupted run
+    never leaves a half-written cache entry.
+    """
+    if config.model.path is not None:
+        return Path(config.model.path)
+    cache_dir = Path(config.sft.cache_dir)
+    final = cache_dir / f"{config.task.name}-{cache_key(config)}"
+    say = console.print if config.logging.progress else (lambda *_: None)
+    if (final / "config.json").is_file():
+        say(f"[green]sft[/green] reusing warm-started model {final}")
+        return final
+    task = make_task(config.task)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{final.name}-tmp-"))
+    try:
+        summary = _build_and_train(config, task, tmp, say)
+        (tmp / SUMMARY_FILE).write_text(json.dumps({"key": final.name, **summary}, indent=2))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache entry should read like any directory
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process finished the same entry first; theirs is equally valid
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"[green]sft[/green] saved warm-started model to {final}")
+    return final
+
+
+def _build_and_train(config: Config, task: Task, out_dir: Path, say: Any) -> dict[str, Any]:
+    """Build the default model in ``out_dir``, fine-tune and save it there; returns a summary for ``sft.json``."""
+    default_model.build_default_model(task, config.seed, out_dir)
+    model, tokenizer = load_policy(out_dir)
+    start = time.perf_counter()
+    problems = task.problems("train", config.sft.steps * config.sft.batch_size, config.seed)
+    train_sft(model, tokenizer, problems, config.sft.steps, config.sft.batch_size, config.sft.lr, say)
+    train_s = time.perf_counter() - start
+    eval_problems = task.problems("eval", config.task.eval_size, config.seed)
+    accuracy = evaluate_accuracy(model, tokenizer, task, eval_problems, config.rollout.max_new_tokens)
+    say(f"[green]sft[/green] {train_s:.1f}s, greedy accuracy {accuracy:.3f} on {len(eval_problems)} eval problems")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return {"eval_accuracy": accuracy, "train_s": round(train_s, 2), **config.sft.model_dump(exclude={"cache_dir"})}
+
+
+def train_sft(
+    model: Any,
+    tokenizer: Any,
+    problems: list[Problem],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    say: Any = console.print,
+) -> list[float]:
+    """Teacher-forced fine-tuning on ``prompt + answer + EOS``, loss on the answer and EOS tokens only.
+
+    Step ``s`` uses ``problems[s*batch_size:(s+1)*batch_size]``; AdamW, learning rate warmed up linearly
+    over the first 5% of steps, then constant. Constant rather than annealed on purpose: annealing to
+    zero settles the model into a sharp minimum where every RL step hurts (measured on the default model:
+    one policy-gradient step of L2 norm 0.03 cut greedy accuracy from 0.30 to 0.22 after cosine SFT).
+    Returns the loss of every step.
+    """
+    warmup = max(1, steps // 20)
+
+    def schedule(step: int) -> float:
+        return min(1.0, (step + 1) / warmup)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    model.train()
+    losses: list[float] = []
+    report_every = max(1, steps // 10)
+    start = time.perf_counter()
+    for step in range(steps):
+        chunk = problems[step * batch_size : (step + 1) * batch_size]
+        input_ids_BS, attention_mask_BS, labels_BS = _teacher_forcing_batch(tokenizer, chunk)
+        loss = model(input_ids=input_ids_BS, attention_mask=attention_mask_BS, labels=labels_BS).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        if (step + 1) % report_every == 0 or step + 1 == steps:
+            say(f"sft step {step + 1}/{steps}  loss {losses[-1]:.4f}  {time.perf_counter() - start:.1f}s")
+    model.eval()
+    return losses
+
+
+def _teacher_forcing_batch(tokenizer: Any, problems: list[Problem]) -> tuple[torch.Tensor, ...]:
+    """Right-padded ``prompt + answer + EOS`` ids, their attention mask, and labels masked to the answer."""
+    prompts = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
+    rows, label_rows = [], []
+    for prompt_ids, answer_ids in zip(prompts, answers, strict=True):
+        answer_ids = [*answer_ids, tokenizer.eos_token_id]
+        rows.append(prompt_ids + answer_ids)
+        label_rows.append([IGNORE_INDEX] * len(prompt_ids) + answer_ids)
+    S = max(len(r) for r in rows)
+    input_ids_BS = torch.full((len(rows), S), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask_BS = torch.zeros((len(rows), S), dtype=torch.long)
+    labels_BS = torch.full((len(rows), S), IGNORE_INDEX, dtype=torch.long)
+    for b, (row, labels) in enumerate(zip(rows, label_rows, strict=True)):
+        input_ids_BS[b, : len(row)] = torch.tensor(row)
+        attention_mask_BS[b, : len(row)] = 1
+        labels_BS[b, : len(row)] = torch.tensor(labels)
+    return input_ids_BS, attention_mask_BS, labels_BS
+
+
+@torch.no_grad()
+def greedy_completions(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy completions of ``prompts`` (left-padded into one batch), each cut at its first EOS."""
+    encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    S = max(len(ids) for ids in encoded)
+    input_ids_BS = torch.full((len(encoded), S), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask_BS = torch.zeros((len(encoded), S), dtype=torch.long)
+    for b, ids in enumerate(encoded):
+        input_ids_BS[b, S - len(ids) :] = torch.tensor(ids)
+        attention_mask_BS[b, S - len(ids) :] = 1
+    output_BT = model.generate(
+        input_ids=input_ids_BS,
+        attention_mask=attention_mask_BS,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    texts = []
+    for row in output_BT[:, S:].tolist():
+        if tokenizer.eos_token_id in row:
+            row = row[: row.index(tokenizer.eos_token_id)]
+        texts.append(tokenizer.decode(row, skip_special_tokens=True))
+    return texts
+
+
+def evaluate_accuracy(
+    model: Any, tokenizer: Any, task: Task, problems: list[Problem], max_new_tokens: int, batch_size: int = 64
+) -> float:
+    """Greedy accuracy: the fraction of ``problems`` whose greedy completion gets reward exactly 1.0.
+
+    Partial credit (some reasoning-gym scorers give it) does not count as correct here.
+    """
+    if not problems:
+        return 0.0
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        completions = greedy_completions(model, tokenizer, [p.prompt for p in chunk], max_new_tokens)
+        correct += sum(task.reward(p, c) == 1.0 for p, c in zip(chunk, completions, strict=True))
+    model.train(was_training)
+    return correct / len(problems)

@@ -1,0 +1,112 @@
+"""Tasks from reasoning-gym: procedural problem streams scored by each dataset's own ``score_answer``."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import math
+from typing import Any
+
+import reasoning_gym
+from reasoning_gym.factory import DATASETS
+
+from vcpo.tasks.base import SPLITS, TaskError
+from vcpo.types import Problem
+
+# Datasets whose question is a verbose wrapper around ``metadata["expression"]``: the prompt keeps only
+# the expression, so a tiny character-level model reads a few characters instead of a sentence.
+EXPRESSION_ONLY = frozenset({"chain_sum", "basic_arithmetic"})
+ANSWER_CUE = "Answer: "
+_MAX_DRAWS_PER_PROBLEM = 50  # how hard to look for problems of one split before declaring the split empty
+
+
+def generator_seed(name: str, split: str, seed: int) -> int:
+    """The reasoning-gym seed behind ``problems(split, n, seed)``: a 31-bit hash of all three.
+
+    reasoning-gym draws item ``i`` from ``Random(seed + i)``, so nearby seeds give shifted copies of one
+    stream; hashing spreads the streams of different (split, seed) pairs apart.
+    """
+    digest = hashlib.sha256(f"{name}:{split}:{seed}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") >> 1
+
+
+def prompt_split(prompt: str) -> str:
+    """The split a prompt belongs to (half of all prompts each), so no eval prompt is ever trained on."""
+    return SPLITS[hashlib.sha256(prompt.encode()).digest()[0] & 1]
+
+
+class ReasoningGymTask:
+    """``reasoning_gym.create_dataset(name, **kwargs)`` as a :class:`~vcpo.tasks.base.Task`.
+
+    Train and eval problems come from different generator seeds and, beyond that, from disjoint halves
+    of the prompt space (by a hash of the prompt): small arithmetic spaces repeat prompts often, and a
+    repeated prompt would make held-out accuracy measure memory. The prompt is the question followed by
+    ``"Answer: "`` (for :data:`EXPRESSION_ONLY` datasets just ``"<expression> = "``); the completion is the
+    bare answer text.
+    """
+
+    def __init__(self, name: str, **kwargs: Any) -> None:
+        self.name = name
+        self.kwargs = dict(kwargs)
+        self._scorer = _create(name, size=1, seed=0, kwargs=self.kwargs)
+
+    def prompt(self, entry: dict[str, Any]) -> str:
+        """The text the model sees for one reasoning-gym item."""
+        expression = entry["metadata"].get("expression")
+        if self.name in EXPRESSION_ONLY and isinstance(expression, str):
+            return f"{expression} = "
+        return f"{entry['question'].strip()}\n{ANSWER_CUE}"
+
+    def problems(self, split: str, n: int, seed: int) -> list[Problem]:
+        """``n`` problems of ``split`` ("train" or "eval"), the same ones for the same ``seed``."""
+        if split not in SPLITS:
+            raise TaskError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+        base_seed = generator_seed(self.name, split, seed)
+        out: list[Problem] = []
+        drawn = 0
+        while len(out) < n:
+            if drawn >= _MAX_DRAWS_PER_PROBLEM * n + 100:
+                raise TaskError(
+                    f"task {self.name!r} gave only {len(out)} of {n} {split} problems in {drawn} draws "
+                    "(its problem space is too small to split into train and eval)"
+                )
+            chunk = 2 * (n - len(out)) + 16  # about half of the prompts belong to the other split
+            dataset = _create(self.name, size=chunk, seed=base_seed + drawn, kwargs=self.kwargs)
+            for i in range(chunk):
+                entry = dataset[i]
+                prompt = self.prompt(entry)
+                if prompt_split(prompt) == split and len(out) < n:
+                    uid = f"{self.name}/{split}/{seed}/{len(out)}"
+                    out.append(Problem(uid=uid, prompt=prompt, answer=str(entry["answer"]), metadata={"entry": entry}))
+            drawn += chunk
+        return out
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """The dataset's ``score_answer`` of the whitespace-stripped completion, clamped to [0, 1].
+
+        A scorer that raises on malformed text (some do) scores 0: a policy's output is never an error.
+        """
+        try:
+            score = float(self._scorer.score_answer(completion.strip(), problem.metadata["entry"]))
+        except Exception:
+            return 0.0
+        return min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0
+
+
+def _create(name: str, size: int, seed: int, kwargs: dict[str, Any]) -> Any:
+    """``reasoning_gym.create_dataset`` with its errors turned into one-line :class:`TaskError`s."""
+    if name not in DATASETS:
+        close = difflib.get_close_matches(name, DATASETS, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else "e.g. chain_sum, basic_arithmetic"
+        raise TaskError(f"unknown reasoning-gym dataset {name!r} ({hint})")
+    config_cls = DATASETS[name][1]
+    valid = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size")]
+    for key in kwargs:
+        if key not in valid:
+            raise TaskError(f"task.kwargs.{key}: not a setting of {name!r} (valid: {', '.join(valid)})")
+    try:
+        return reasoning_gym.create_dataset(name, size=size, seed=seed, **kwargs)
+    except Exception as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        raise TaskError(f"task.kwargs {kwargs!r} rejected by {name!r}: {detail}") from None
