@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint unit venv clean
+.PHONY: test lint unit venv clean demo
 
 venv: $(STAMP)
 
@@ -22,6 +22,12 @@ unit: $(STAMP)
 	$(BIN)/pytest
 
 test: lint unit
+
+# The main job: warm-start the embedded model by SFT (cached in .cache/vcpo), train it with
+# asynchronous VCPO, print held-out accuracy before and after, and write the plots.
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/vcpo train -c configs/quickstart.yaml run_dir=runs/quickstart
+	$(BIN)/vcpo plot runs/quickstart
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
