@@ -76,7 +76,18 @@ def _exact_grad_sq_norms(
 
 GradSqNormMethod = Callable[[nn.Module, list[nn.Parameter], Tensor, Tensor, Tensor | None], Tensor]
 
-GRAD_SQ_NORM_METHODS: dict[str, GradSqNormMethod] = {"exact": _exact_grad_sq_norms}
+
+def _fast_grad_sq_norms(
+    model: nn.Module, params: list[nn.Parameter], input_ids: Tensor, response_mask: Tensor,
+    attention_mask: Tensor | None,
+) -> Tensor:
+    """One batched forward and one backward (ghost norms, see vcpo.variance.ghost_norms)."""
+    from vcpo.variance.ghost_norms import ghost_grad_sq_norms  # imported here: ghost_norms imports this module
+
+    return ghost_grad_sq_norms(model, params, input_ids, response_mask, attention_mask)
+
+
+GRAD_SQ_NORM_METHODS: dict[str, GradSqNormMethod] = {"exact": _exact_grad_sq_norms, "fast": _fast_grad_sq_norms}
 
 
 def trajectory_grad_sq_norms(
@@ -96,7 +107,10 @@ def trajectory_grad_sq_norms(
     train mode makes the result random).
 
     ``method="exact"`` is the reference: one forward and backward per row (batch size 1, that row's
-    attention mask). The parameters' ``.grad`` are left as they were (``torch.autograd.grad``).
+    attention mask). ``method="fast"`` gets every row's norm from one batched forward and one backward
+    (ghost norms, ``vcpo.variance.ghost_norms``); it raises NotImplementedError naming a trainable
+    parameter it cannot account for. The parameters' ``.grad`` are left as they were
+    (``torch.autograd.grad``).
     """
     if method not in GRAD_SQ_NORM_METHODS:
         raise ValueError(

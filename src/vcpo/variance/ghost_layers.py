@@ -1,0 +1,214 @@
+"""Per-layer algebra of the fast per-row gradients: what one call of a supported module contributes to each row's
+gradient of its parameters, the squared norms of those per-row gradients and their coefficient-weighted sum."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Per-row-chunk working-set bound (elements) for token Grams and materialised per-row gradients.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass
+class MatrixTerm:
+    """One module call's share of a 2-D weight's per-row gradient: ``grad_b = sum_n left[b, n] (outer) right[b, n]``.
+
+    ``left`` is dense [B, N, rows of the weight] or, for an embedding, the [B, N] long row index whose one-hot
+    vector it stands for; ``right_BNC`` is dense [B, N, columns of the weight].
+    """
+
+    left: Tensor
+    right_BNC: Tensor
+
+
+@dataclass
+class VectorTerm:
+    """One module call's per-row gradient of a parameter that is cheap to hold per row (bias, norm weight)."""
+
+    grad_BP: Tensor
+
+
+Term = MatrixTerm | VectorTerm
+
+
+def module_kind(module: nn.Module) -> str | None:
+    """The name of the per-row gradient rule that fits ``module``'s own parameters, or None if none does."""
+    kind = type(module)
+    if kind is nn.Linear:
+        return "linear"
+    if kind is nn.Embedding:
+        return None if module.max_norm is not None or module.scale_grad_by_freq else "embedding"
+    if kind is nn.LayerNorm:
+        return "layer_norm"
+    if kind is nn.RMSNorm:
+        return "rms_norm"
+    if kind.__name__ == "Conv1D" and kind.__module__ == "transformers.pytorch_utils":
+        return "conv1d"
+    # Hugging Face decoders each define their own RMSNorm class (Qwen2RMSNorm, LlamaRMSNorm, ...);
+    # save_activation checks on every call that the output really is weight * x_hat.
+    own = dict(module.named_parameters(recurse=False))
+    if kind.__name__.endswith("RMSNorm") and set(own) == {"weight"} and own["weight"].dim() == 1:
+        if isinstance(getattr(module, "variance_epsilon", getattr(module, "eps", None)), float):
+            return "hf_rms_norm"
+    return None
+
+
+def _hf_rms_x_hat(module: nn.Module, x: Tensor, output: Tensor) -> Tensor:
+    """x_hat of a Hugging Face RMSNorm (float32 statistics, cast back), verified against the module's own output."""
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    x32 = x.to(torch.float32)
+    x_hat = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(output.dtype, 2e-2)
+    # y = w * x_hat (Qwen2, Llama) and y = (1 + w) * x_hat (Gemma) share dy/dw = x_hat; anything else is refused.
+    # The formula is the class's, not the data's: checking the first row is enough.
+    for scale in (module.weight, 1.0 + module.weight.float()):
+        if torch.allclose(output[:1], (scale * x_hat[:1]).to(output.dtype), rtol=tol, atol=tol):
+            return x_hat
+    raise NotImplementedError(
+        f"{type(module).__name__} is not y = weight * rms_normalised(x); fast grad norms cannot handle it"
+    )
+
+
+def save_activation(kind: str, module: nn.Module, x: Tensor, output: Tensor) -> Tensor:
+    """What the per-row gradient rule of ``kind`` needs from the forward: the input, or the normalised input."""
+    with torch.no_grad():
+        if kind == "layer_norm":
+            return F.layer_norm(x, module.normalized_shape, eps=module.eps)
+        if kind == "rms_norm":
+            return F.rms_norm(x, module.normalized_shape, eps=module.eps)
+        if kind == "hf_rms_norm":
+            return _hf_rms_x_hat(module, x, output)
+    return x.detach()
+
+
+def _compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """At least float32: per-row sums and squared norms of half-precision factors lose too much."""
+    dtype = torch.float32
+    for t in tensors:
+        if t.is_floating_point():
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def call_terms(kind: str, module: nn.Module, saved: Tensor, grad_out: Tensor) -> dict[str, Term]:
+    """Per-row gradient terms of one call of ``module``, by parameter attribute name (trainable ones only)."""
+    B = grad_out.shape[0]
+    terms: dict[str, Term] = {}
+    want = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+    if kind in ("linear", "conv1d"):
+        a_BNI = saved.reshape(B, -1, saved.shape[-1])
+        g_BNO = grad_out.reshape(B, -1, grad_out.shape[-1])
+        if "weight" in want:  # Linear stores [out, in], Conv1D [in, out].
+            terms["weight"] = MatrixTerm(g_BNO, a_BNI) if kind == "linear" else MatrixTerm(a_BNI, g_BNO)
+        if "bias" in want:
+            terms["bias"] = VectorTerm(g_BNO.to(_compute_dtype(g_BNO)).sum(1))
+    elif kind == "embedding":
+        ids_BN = saved.reshape(B, -1)
+        g_BND = grad_out.reshape(B, ids_BN.shape[1], -1)
+        if module.padding_idx is not None:  # F.embedding gives the padding row no gradient.
+            g_BND = g_BND.masked_fill((ids_BN == module.padding_idx)[..., None], 0.0)
+        terms["weight"] = MatrixTerm(ids_BN, g_BND)
+    else:  # norms: dy/dweight = x_hat elementwise, dy/dbias = 1.
+        for name in want:
+            numel = getattr(module, name).numel()
+            grad = grad_out.to(_compute_dtype(grad_out, saved))
+            per_token = grad * saved if name == "weight" else grad
+            terms[name] = VectorTerm(per_token.reshape(B, -1, numel).sum(1))
+    return terms
+
+
+def _left_gram(left_i: Tensor, left_j: Tensor, dtype: torch.dtype) -> Tensor:
+    """[b, Ni, Nj] inner products of left factors; an index stands for a one-hot row."""
+    if left_i.dim() == 2 and left_j.dim() == 2:
+        return (left_i[:, :, None] == left_j[:, None, :]).to(dtype)
+    if left_i.dim() == 2:
+        return _left_gram(left_j, left_i, dtype).transpose(1, 2)
+    if left_j.dim() == 2:  # <dense_t, onehot(id_s)> = dense_t[id_s]
+        return left_i.to(dtype).gather(2, left_j[:, None, :].expand(-1, left_i.shape[1], -1))
+    return torch.bmm(left_i.to(dtype), left_j.to(dtype).transpose(1, 2))
+
+
+def _gram_sq_norms(terms: list[MatrixTerm], rows: slice, dtype: torch.dtype) -> Tensor:
+    """``||sum_n l_n r_n^T||^2 = sum_{n,m} (l_n . l_m)(r_n . r_m)`` per row: cost ~N^2 (rows + columns)."""
+    total = 0.0
+    for i, ti in enumerate(terms):
+        for j in range(i, len(terms)):
+            tj = terms[j]
+            right = torch.bmm(ti.right_BNC[rows].to(dtype), tj.right_BNC[rows].to(dtype).transpose(1, 2))
+            pair = (_left_gram(ti.left[rows], tj.left[rows], dtype) * right).sum((1, 2))
+            total = total + (pair if i == j else 2.0 * pair)
+    return total
+
+
+def _materialised(terms: list[MatrixTerm], rows: slice, shape: tuple[int, int], dtype: torch.dtype) -> Tensor:
+    """[b, R, C] per-row gradients of the rows in ``rows``: cost ~N R C."""
+    n_rows = rows.stop - rows.start
+    grad_bRC = torch.zeros(n_rows, *shape, dtype=dtype, device=terms[0].right_BNC.device)
+    for t in terms:
+        right = t.right_BNC[rows].to(dtype)
+        if t.left.dim() == 3:
+            grad_bRC.baddbmm_(t.left[rows].to(dtype).transpose(1, 2), right)
+        else:
+            flat_ids = (t.left[rows] + torch.arange(n_rows, device=right.device)[:, None] * shape[0]).reshape(-1)
+            grad_bRC.view(-1, shape[1]).index_add_(0, flat_ids, right.reshape(-1, shape[1]))
+    return grad_bRC
+
+
+def _sparse_sq_norms(terms: list[MatrixTerm], n_weight_rows: int, dtype: torch.dtype) -> Tensor:
+    """Embedding-only weights: each row's gradient has a non-zero row per distinct id, summed by key: cost ~N C."""
+    B = terms[0].left.shape[0]
+    row_B1 = torch.arange(B, device=terms[0].left.device)[:, None]
+    keys = torch.cat([(t.left + row_B1 * n_weight_rows).reshape(-1) for t in terms])
+    values = torch.cat([t.right_BNC.reshape(-1, t.right_BNC.shape[-1]).to(dtype) for t in terms])
+    unique_keys, inverse = torch.unique(keys, return_inverse=True)
+    sums = values.new_zeros(len(unique_keys), values.shape[1]).index_add_(0, inverse, values)
+    return values.new_zeros(B).index_add_(0, unique_keys // n_weight_rows, sums.square().sum(1))
+
+
+def prefer_gram(n_tokens: int, n_rows: int, n_cols: int) -> bool:
+    """Token Gram (~N^2 (R + C) per row) rather than the materialised gradient (~N R C per row)."""
+    return n_tokens * (n_rows + n_cols) <= n_rows * n_cols
+
+
+def sq_norms(param: nn.Parameter, terms: list[Term]) -> Tensor:
+    """[B] float64 ``||sum_terms grad_b||^2`` of one parameter; a matrix picks Gram or materialised by cost."""
+    if isinstance(terms[0], VectorTerm):
+        return sum(t.grad_BP for t in terms).square().sum(1).double()
+    dtype = _compute_dtype(param, *(t.right_BNC for t in terms))
+    if all(t.left.dim() == 2 for t in terms):
+        return _sparse_sq_norms(terms, param.shape[0], dtype).double()
+    B, n_tokens = terms[0].right_BNC.shape[0], sum(t.right_BNC.shape[1] for t in terms)
+    R, C = param.shape
+    use_gram = prefer_gram(n_tokens, R, C)
+    per_row = n_tokens * n_tokens if use_gram else R * C
+    step = max(1, _CHUNK_ELEMENTS // per_row)
+    chunks = []
+    for start in range(0, B, step):
+        rows = slice(start, min(B, start + step))
+        if use_gram:
+            chunks.append(_gram_sq_norms(terms, rows, dtype))
+        else:
+            chunks.append(_materialised(terms, rows, (R, C), dtype).square().sum((1, 2)))
+    return torch.cat(chunks).double()
+
+
+def weighted_grad(param: nn.Parameter, terms: list[Term], coef_B: Tensor) -> Tensor:
+    """``sum_b coef_b grad_b`` of one parameter, in the parameter's shape and dtype."""
+    if isinstance(terms[0], VectorTerm):
+        dtype = _compute_dtype(param, *(t.grad_BP for t in terms))
+        total = sum(coef_B.to(dtype) @ t.grad_BP.to(dtype) for t in terms)
+        return total.view_as(param).to(param.dtype)
+    dtype = _compute_dtype(param, *(t.right_BNC for t in terms))
+    R, C = param.shape
+    total = torch.zeros(R, C, dtype=dtype, device=param.device)
+    for t in terms:
+        right_MC = (coef_B.to(dtype)[:, None, None] * t.right_BNC.to(dtype)).reshape(-1, C)
+        if t.left.dim() == 3:
+            total.addmm_(t.left.to(dtype).reshape(-1, R).T, right_MC)
+        else:
+            total.index_add_(0, t.left.reshape(-1), right_MC)
+    return total.to(param.dtype)

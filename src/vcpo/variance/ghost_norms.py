@@ -1,0 +1,211 @@
+"""Fast per-trajectory score-gradient norms ``G_b`` from ONE batched forward and ONE backward ("ghost norms" and
+book-keeping from differentially private training), and the per-row gradient capture the learner assembles
+``sum_b c_b grad score_b`` from without a second backward (VCPO's efficient form, ALGORITHMS.md §8).
+
+How: forward hooks keep each supported module's input (or normalised input) and output; one
+``torch.autograd.grad`` of ``sum_b score_b`` gives every kept output's gradient, which for row b is the gradient of
+``score_b`` alone because rows do not interact. A weight's per-row gradient is then a sum of outer products
+(see ghost_layers). Opacus 1.6 was measured and not used: its ghost clipping refuses tied embeddings (Qwen2-0.5B,
+GPT-2), captures nothing in eval mode, takes the Gram form for every layer (about 1.5x slower here) and cannot
+assemble a per-row-weighted gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from vcpo.variance.ghost_layers import Term, call_terms, module_kind, save_activation, sq_norms, weighted_grad
+from vcpo.variance.grad_norms import _check_token_tensors, token_logprobs
+
+
+@dataclass
+class _Call:
+    module: nn.Module
+    kind: str
+    saved: Tensor
+    output: Tensor
+    versions: tuple[int, int]
+
+
+@dataclass
+class PerRowGradCapture:
+    """Per-row gradient factors of every trainable parameter from one forward and backward.
+
+    ``logprobs_BT`` are the (detached) token log-probs of that forward; ``terms`` holds, per parameter, what its
+    per-row gradients are built from (activations and output gradients), so ``accumulate_grad`` needs no backward.
+    """
+
+    logprobs_BT: Tensor
+    terms: list[tuple[nn.Parameter, list[Term]]] = field(repr=False)
+
+    def sq_norms(self) -> Tensor:
+        """[B] float64 ``G_b = ||grad_theta score_b||^2`` summed over parameters (a tied weight counts once)."""
+        total_B = torch.zeros(self.logprobs_BT.shape[0], dtype=torch.float64, device=self.logprobs_BT.device)
+        for param, terms in self.terms:
+            total_B = total_B + sq_norms(param, terms)
+        return total_B
+
+    def accumulate_grad(self, coef_B: Tensor) -> None:
+        """Adds ``sum_b coef_B[b] * grad_theta score_b`` to each parameter's ``.grad`` (created if None).
+
+        For VCPO's REINFORCE-form loss ``L = -(1/B) sum_b min(W_b, 8) Ahat_b (1/L_b) score_b`` pass
+        ``coef_B = -min(W, 8) * Ahat / (B * L)``: the result is the gradient of L.
+        """
+        if coef_B.shape != self.logprobs_BT.shape[:1]:
+            raise ValueError(f"coef_B {tuple(coef_B.shape)} must have one entry per row ({self.logprobs_BT.shape[0]})")
+        for param, terms in self.terms:
+            grad = weighted_grad(param, terms, coef_B.detach())
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+
+
+def _plan(model: nn.Module, params: list[nn.Parameter]) -> tuple[dict[nn.Module, str], dict[int, str]]:
+    """Supported modules to hook, by rule name; a module owning a trainable parameter that fits no rule is an error."""
+    trainable = {id(p) for p in params}
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    kinds = {}
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) in trainable]
+        if not own:
+            continue
+        kind = module_kind(module)
+        if kind is None:
+            raise NotImplementedError(
+                f"fast grad norms cannot account for parameter {names[id(own[0])]!r} of a "
+                f"{type(module).__name__}; use method='exact'"
+            )
+        kinds[module] = kind
+    return kinds, names
+
+
+def _graph_uses(root: torch.autograd.graph.Node | None) -> dict[int, int]:
+    """How many autograd edges lead into each leaf tensor (by id) in the graph of ``root``."""
+    uses: dict[int, int] = {}
+    seen, stack = set(), [root] if root is not None else []
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if hasattr(nxt, "variable"):
+                uses[id(nxt.variable)] = uses.get(id(nxt.variable), 0) + 1
+            elif nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return uses
+
+
+def _hooked_forward(
+    model: nn.Module, kinds: dict[nn.Module, str], input_ids: Tensor, response_mask: Tensor,
+    attention_mask: Tensor | None, temperature: float,
+) -> tuple[Tensor, Tensor, list[_Call]]:
+    """``(sum_b score_b, logprobs_BT, calls)``: the batched forward, keeping what each hooked module call needs."""
+    B, T = input_ids.shape
+    calls: list[_Call] = []
+
+    def expand_batch(module: nn.Module, args: tuple) -> tuple | None:
+        # GPT-2 looks up positions for one row [1, T] and broadcasts; per-row gradients need the [B, T] lookup.
+        if args and isinstance(args[0], Tensor) and args[0].shape[0] == 1 and B > 1:
+            return (args[0].expand(B, *args[0].shape[1:]), *args[1:])
+        return None
+
+    def keep(module: nn.Module, args: tuple, output: Tensor) -> None:
+        x = args[0] if args else None
+        if not isinstance(x, Tensor) or not isinstance(output, Tensor) or tuple(x.shape[:2]) != (B, T):
+            raise NotImplementedError(
+                f"fast grad norms need a [B={B}, T={T}, ...] tensor input and output at {type(module).__name__}"
+            )
+        saved = save_activation(kinds[module], module, x, output)
+        calls.append(_Call(module, kinds[module], saved, output, (saved._version, output._version)))
+
+    handles = []
+    try:
+        for module in kinds:
+            handles.append(module.register_forward_pre_hook(expand_batch))
+            handles.append(module.register_forward_hook(keep))
+        with torch.enable_grad():
+            logp_BT = token_logprobs(model, input_ids, attention_mask, temperature)
+            # where, not a product: log-probs at padded positions may be non-finite.
+            kept_BT = torch.where(response_mask[:, 1:].bool(), logp_BT[:, 1:], torch.zeros_like(logp_BT[:, 1:]))
+            return kept_BT.sum(), logp_BT.detach(), calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _refuse_unaccounted(score: Tensor, calls: list[_Call], params: list[nn.Parameter], names: dict[int, str]) -> None:
+    """Raises if a hooked activation changed in place or a parameter reaches the score other than through its module."""
+    if any((c.saved._version, c.output._version) != c.versions for c in calls):
+        raise NotImplementedError("fast grad norms: a hooked activation was modified in place during the forward")
+    calls_per_param: dict[int, int] = {}
+    for c in calls:
+        for p in c.module.parameters(recurse=False):
+            calls_per_param[id(p)] = calls_per_param.get(id(p), 0) + 1
+    uses = _graph_uses(score.grad_fn)
+    for p in params:
+        if uses.get(id(p), 0) > calls_per_param.get(id(p), 0):
+            raise NotImplementedError(
+                f"fast grad norms: parameter {names[id(p)]!r} is used outside the modules that own it; "
+                "use method='exact'"
+            )
+
+
+def _capture(
+    model: nn.Module, params: list[nn.Parameter], input_ids: Tensor, response_mask: Tensor,
+    attention_mask: Tensor | None, temperature: float,
+) -> PerRowGradCapture:
+    # Checkpointed layers re-run their forward inside the backward, after the hooks are gone.
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise NotImplementedError("fast grad norms do not support gradient checkpointing; use method='exact'")
+    kinds, names = _plan(model, params)
+    score, logp_BT, calls = _hooked_forward(model, kinds, input_ids, response_mask, attention_mask, temperature)
+    _refuse_unaccounted(score, calls, params, names)
+    # Rows do not interact, so the gradient of sum_b score_b at row b's activations is that of score_b alone.
+    live = [c for c in calls if c.output.requires_grad]
+    grads = torch.autograd.grad(score, [c.output for c in live], allow_unused=True) if live else ()
+    terms_by_param: dict[int, tuple[nn.Parameter, list[Term]]] = {}
+    for c, grad_out in zip(live, grads, strict=True):
+        if grad_out is None:  # the output does not reach the score
+            continue
+        for name, term in call_terms(c.kind, c.module, c.saved, grad_out.detach()).items():
+            param = getattr(c.module, name)
+            terms_by_param.setdefault(id(param), (param, []))[1].append(term)
+    return PerRowGradCapture(logp_BT, list(terms_by_param.values()))
+
+
+def per_row_grad_capture(
+    model: nn.Module, input_ids: Tensor, response_mask: Tensor, attention_mask: Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[Tensor, PerRowGradCapture]:
+    """``(G_B, capture)`` from one batched forward and one backward, with
+
+        ``score_b = sum_t response_mask[b, t] * log p_theta(input_ids[b, t] | input_ids[b, <t])`` (t >= 1),
+        ``G_b = || grad_theta score_b ||^2`` over all trainable parameters (a tied weight counts once)
+
+    (the ``G_i`` of VCPO's OPOB, arXiv 2602.17616, §8.3). ``capture.accumulate_grad(coef_B)`` then adds
+    ``sum_b coef_b grad_theta score_b`` to the parameters' ``.grad``, and ``capture.logprobs_BT`` holds the
+    forward's log-probs (logits divided by ``temperature``). The parameters' ``.grad`` are untouched until then.
+    Supports nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm, Hugging Face RMSNorm classes and GPT-2's Conv1D;
+    a trainable parameter it cannot account for raises NotImplementedError naming it.
+    """
+    _check_token_tensors(input_ids, response_mask=response_mask, attention_mask=attention_mask)
+    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    if not params:
+        raise ValueError("per_row_grad_capture: the model has no trainable parameters (requires_grad)")
+    capture = _capture(model, params, input_ids, response_mask, attention_mask, temperature)
+    return capture.sq_norms(), capture
+
+
+def ghost_grad_sq_norms(
+    model: nn.Module, params: list[nn.Parameter], input_ids: Tensor, response_mask: Tensor,
+    attention_mask: Tensor | None,
+) -> Tensor:
+    """``trajectory_grad_sq_norms(..., method="fast")``: [B] float64 ``G_b`` by one forward and one backward."""
+    return _capture(model, params, input_ids, response_mask, attention_mask, 1.0).sq_norms()

@@ -1,0 +1,187 @@
+"""method="fast" of trajectory_grad_sq_norms (ghost norms) against method="exact", on tiny Qwen2, Llama and GPT-2
+models and a hand-built model; the per-row capture's assembled gradient against autograd; the clear refusals."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from vcpo.variance import ghost_layers, token_logprobs, trajectory_grad_sq_norms
+from vcpo.variance.ghost_norms import per_row_grad_capture
+
+F64, F32 = torch.float64, torch.float32
+# Row 0 full; row 1 right-padded by 2; row 2 left-padded by 1. response_mask[:, 0] = 1 must be ignored.
+INPUT_IDS = torch.tensor([[3, 17, 8, 41, 22, 9], [5, 30, 12, 7, 0, 0], [0, 11, 2, 48, 33, 6]])
+ATTENTION = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]])
+RESPONSE = torch.tensor([[1, 0, 0, 1, 1, 1], [1, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1]])
+TOLERANCE = {F64: 1e-9, F32: 1e-4}
+SMALL = {"vocab_size": 50, "initializer_range": 0.1, "tie_word_embeddings": False}
+DECODER = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 64}
+
+
+def tiny(name: str, dtype: torch.dtype = F64, **overrides) -> nn.Module:
+    torch.manual_seed(0)
+    config = {**SMALL, **overrides}
+    if name == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**DECODER, **config))
+    elif name == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER, **config))
+    else:
+        gpt2 = {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 8, "bos_token_id": 1, "eos_token_id": 1,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2, **config))
+    return model.to(dtype).eval()
+
+
+def rel_err(fast: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((fast - exact).abs() / exact.abs().clamp_min(1e-300)).max().item()
+
+
+MODELS = {
+    "qwen2": ("qwen2", {}),
+    "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
+    "llama": ("llama", {}),
+    "llama_biases_tied": ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+    "gpt2_tied": ("gpt2", {"tie_word_embeddings": True}),
+}
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_fast_matches_exact(which, dtype):
+    name, overrides = MODELS[which]
+    model = tiny(name, dtype, **overrides)
+    exact = trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, ATTENTION, method="exact")
+    fast = trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, ATTENTION, method="fast")
+    assert fast.dtype == F64 and fast.shape == (3,) and (exact > 0).all()
+    assert rel_err(fast, exact) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("gram", [True, False])
+def test_gram_and_materialised_forms_agree_with_exact(monkeypatch, gram):
+    # Tied: the shared weight's Gram / materialised forms both mix the embedding's one-hot rows with the head.
+    model = tiny("qwen2", tie_word_embeddings=True)
+    monkeypatch.setattr(ghost_layers, "prefer_gram", lambda *_: gram)
+    fast = trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, ATTENTION, method="fast")
+    exact = trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, ATTENTION, method="exact")
+    assert rel_err(fast, exact) < 1e-9
+
+
+def test_zero_response_row_frozen_parameters_and_grad_untouched():
+    model = tiny("qwen2")
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.model.layers[0].requires_grad_(False)
+    sentinel = torch.randn_like(model.lm_head.weight)
+    model.lm_head.weight.grad = sentinel.clone()
+    response = RESPONSE.clone()
+    response[1] = 0
+    fast = trajectory_grad_sq_norms(model, INPUT_IDS, response, ATTENTION, method="fast")
+    exact = trajectory_grad_sq_norms(model, INPUT_IDS, response, ATTENTION, method="exact")
+    assert fast[1].item() == 0.0
+    assert rel_err(fast[[0, 2]], exact[[0, 2]]) < 1e-9
+    torch.testing.assert_close(model.lm_head.weight.grad, sentinel, rtol=0.0, atol=0.0)
+    assert all(p.grad is None for n, p in model.named_parameters() if n != "lm_head.weight")
+
+
+@pytest.mark.parametrize(("which", "dtype", "tolerance"), [("qwen2_tied", F64, 1e-10), ("gpt2_tied", F32, 1e-6)])
+def test_accumulate_grad_equals_autograd_of_weighted_scores(which, dtype, tolerance):
+    name, overrides = MODELS[which]
+    model = tiny(name, dtype, **overrides)
+    # Powers of two: Qwen2RMSNorm runs in float32 even in a float64 model, so the backward of sum_b c_b score_b
+    # rounds differently from c_b times each row's backward unless scaling by c_b is exact (then it is 1e-16).
+    coef_B = torch.tensor([0.5, -2.0, 0.25], dtype=dtype)
+    G_B, capture = per_row_grad_capture(model, INPUT_IDS, RESPONSE, ATTENTION)
+    assert all(p.grad is None for p in model.parameters())
+    logp_BT = token_logprobs(model, INPUT_IDS, ATTENTION)
+    score_B = torch.where(RESPONSE[:, 1:].bool(), logp_BT[:, 1:], torch.zeros_like(logp_BT[:, 1:])).sum(1)
+    torch.testing.assert_close(capture.logprobs_BT, logp_BT.detach())
+    (coef_B * score_B).sum().backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # accumulate_grad adds to what is there
+    capture.accumulate_grad(coef_B)
+    for n, p in model.named_parameters():
+        diff = (p.grad - 1.0 - expected[n]).norm() / expected[n].norm()
+        assert diff < tolerance, n
+    exact = trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, ATTENTION)
+    assert rel_err(G_B, exact) < TOLERANCE[dtype]
+
+
+class HandBuiltLM(nn.Module):
+    """Embedding (padding row) -> torch RMSNorm -> a Linear called twice with causal averaging -> LayerNorm -> head."""
+
+    def __init__(self, misuse: str = ""):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 16, padding_idx=0)
+        self.norm = nn.RMSNorm(16)
+        self.mix = nn.Linear(16, 16)
+        self.ln = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.misuse = misuse
+        self.double()
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.norm(self.embed(input_ids))
+        steps = torch.arange(1, h.shape[1] + 1, dtype=h.dtype)[:, None]
+        h = torch.tanh(self.mix(h)).cumsum(1) / steps
+        mixed = self.mix(h)
+        if self.misuse == "in_place":
+            mixed.mul_(2.0)
+        h = self.ln(h + mixed)
+        logits = h @ self.embed.weight.T if self.misuse == "functional_tie" else self.head(h)
+        return SimpleNamespace(logits=logits)
+
+
+def test_hand_built_model_with_a_module_called_twice():
+    model = HandBuiltLM()
+    fast = trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, method="fast")
+    exact = trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, method="exact")
+    assert rel_err(fast, exact) < 1e-9
+
+
+@pytest.mark.parametrize(
+    ("misuse", "pattern"),
+    [("functional_tie", "'embed.weight' is used outside"), ("in_place", "modified in place")],
+)
+def test_unaccounted_use_raises(misuse, pattern):
+    with pytest.raises(NotImplementedError, match=pattern):
+        trajectory_grad_sq_norms(HandBuiltLM(misuse), INPUT_IDS, RESPONSE, method="fast")
+
+
+class ShiftedRMSNorm(nn.Module):
+    """An RMSNorm look-alike whose output is not weight * x_hat."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) + 0.1
+
+
+def test_unsupported_modules_raise_naming_the_parameter():
+    model = tiny("qwen2")
+    model.model.extra = nn.Conv1d(2, 2, 1)
+    with pytest.raises(NotImplementedError, match=r"'model.extra.weight' of a Conv1d"):
+        trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, ATTENTION, method="fast")
+    model = tiny("qwen2")
+    model.model.norm = ShiftedRMSNorm(32).double()
+    with pytest.raises(NotImplementedError, match="ShiftedRMSNorm is not y = weight"):
+        trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, ATTENTION, method="fast")
+    model = tiny("qwen2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.gradient_checkpointing_enable()
+    with pytest.raises(NotImplementedError, match="gradient checkpointing"):
+        trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, ATTENTION, method="fast")
+    _, capture = per_row_grad_capture(tiny("qwen2"), INPUT_IDS, RESPONSE, ATTENTION)
+    with pytest.raises(ValueError, match=r"coef_B \(2,\)"):
+        capture.accumulate_grad(torch.ones(2, dtype=F64))
