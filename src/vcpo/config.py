@@ -73,7 +73,9 @@ class ObjectiveConfig(_Strict):
 class AdvantageConfig(_Strict):
     estimator: Literal["grpo", "dr_grpo", "rloo", "opo", "opob"] = "opob"
     opob_weighting: Literal["paper", "authors_code"] = "paper"
-    grad_norm_method: str = "exact"
+    grad_norm_method: Literal["exact", "fast"] = "fast"
+    """How OPOB gets per-trajectory gradient norms: "fast" (one batched backward, ghost norms) or
+    "exact" (one backward per row, the reference)."""
 
 
 class ESSLRConfig(_Strict):

@@ -3,6 +3,15 @@
 step(batch): recompute log pi on the batch -> sequence log-weights -> advantages (GRPO, Dr. GRPO,
 RLOO, OPO or VCPO's OPOB) -> objective(name) -> backward -> clip -> AdamW step with the learning
 rate scaled by the ESS ratio (VCPO §8.2: set lr, step, restore).
+
+OPOB needs every trajectory's squared gradient norm G_i. With ``grad_norm_method="exact"`` they
+come from one backward per row before the loss's own backward. With ``"fast"`` one batched
+forward and backward yields G_i (ghost norms) and keeps what is needed to assemble
+``sum_i c_i grad score_i`` for any per-row coefficients c_i; when the objective's gradient with
+respect to the log-probs is one coefficient per row (REINFORCE-form sequence weights: vcpo, tis
+and vespo with sequence advantages, reinforce), the final gradient is assembled from that single
+backward (ALGORITHMS.md §8, efficient form). Otherwise a second backward of ``sum c_it lp_it``
+supplies it.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from vcpo.variance import (
     token_logprobs,
     trajectory_grad_sq_norms,
 )
+from vcpo.variance.ghost_norms import PerRowGradCapture, per_row_grad_capture
 
 
 class Learner:
@@ -40,7 +50,34 @@ class Learner:
             self.objective_kwargs["loss_agg"] = config.objective.loss_agg
         self.version = 0
 
-    def advantages(self, batch: Batch, logw_B: Tensor) -> tuple[Tensor, dict[str, float]]:
+    @property
+    def single_backward(self) -> bool:
+        """Whether OPOB's norms and the loss gradient come from one batched backward."""
+        ac = self.config.advantage
+        return ac.estimator == "opob" and ac.grad_norm_method == "fast"
+
+    def forward(self, batch: Batch) -> tuple[Tensor, Tensor | None, PerRowGradCapture | None]:
+        """[B, S] log-probs at the rollout temperature, their entropy, and the per-row capture.
+
+        Right-padded, no position ids: the engine passes explicit positions to its left-padded rows,
+        so both see the same positions and the log-probs agree (the mismatch test). On the
+        single-backward path the log-probs are a leaf: the loss's gradient reaches the model through
+        the capture, not through autograd.
+        """
+        temperature = self.config.rollout.temperature
+        if self.single_backward:
+            _, capture = per_row_grad_capture(
+                self.model, batch.input_ids_BS, batch.response_mask_BS, batch.attention_mask_BS, temperature
+            )
+            return capture.logprobs_BT.detach().clone().requires_grad_(), None, capture
+        lp_BS, entropy_BS = token_logprobs(
+            self.model, batch.input_ids_BS, batch.attention_mask_BS, temperature=temperature, return_entropy=True
+        )
+        return lp_BS, entropy_BS, None
+
+    def advantages(
+        self, batch: Batch, logw_B: Tensor, capture: PerRowGradCapture | None = None
+    ) -> tuple[Tensor, dict[str, float]]:
         """Per-sequence advantages by the configured estimator, with OPOB's inputs when it is chosen."""
         ac = self.config.advantage
         lengths_B = batch.response_mask_BS.sum(1)
@@ -48,63 +85,86 @@ class Learner:
             adv = compute_advantages(ac.estimator, batch.rewards_B, batch.group_ids_B, lengths=lengths_B)
             return adv, {}
         t0 = time.perf_counter()
-        G_B = trajectory_grad_sq_norms(
-            self.model, batch.input_ids_BS, batch.response_mask_BS, batch.attention_mask_BS,
-            method=ac.grad_norm_method,
-        )
+        if capture is not None:
+            G_B = capture.sq_norms()
+        else:
+            G_B = trajectory_grad_sq_norms(
+                self.model, batch.input_ids_BS, batch.response_mask_BS, batch.attention_mask_BS,
+                method=ac.grad_norm_method,
+            )
         adv = compute_advantages(
             "opob", batch.rewards_B, batch.group_ids_B, logw=logw_B, grad_sq_norms=G_B,
             weighting=ac.opob_weighting,
         )
         return adv, {"opob/grad_sq_norm_mean": float(G_B.mean()), "time/grad_norms_s": time.perf_counter() - t0}
 
-    def step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on ``batch``; returns the step's metrics (flat, namespaced)."""
-        t0 = time.perf_counter()
-        tc = self.config.trainer
+    def backward(self, batch: Batch) -> dict[str, float]:
+        """Put grad_theta of the objective on ``batch`` into ``.grad``; returns the metrics so far."""
         # Eval mode: no dropout, so the recomputed log-probs are those of the policy that samples.
         self.model.eval()
         mask_BS = batch.response_mask_BS
-        # Right-padded, no position ids: the engine passes explicit positions to its left-padded
-        # rows, so both see the same positions and the log-probs agree (the mismatch test).
-        lp_BS, entropy_BS = token_logprobs(
-            self.model, batch.input_ids_BS, batch.attention_mask_BS,
-            temperature=self.config.rollout.temperature, return_entropy=True,
-        )
+        lp_BS, entropy_BS, capture = self.forward(batch)
         logw_B = sequence_log_weights(lp_BS, batch.behavior_logprobs_BS, mask_BS)
-        adv_B, metrics = self.advantages(batch, logw_B)
+        adv_B, metrics = self.advantages(batch, logw_B, capture)
         inputs = ObjectiveInputs(
             logprobs=lp_BS, behavior_logprobs=batch.behavior_logprobs_BS, advantages=adv_B, mask=mask_BS,
             rewards=batch.rewards_B, group_ids=batch.group_ids_B,
         )
         out = self.objective(inputs, **self.objective_kwargs)
         self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, tc.grad_clip))
-
+        if capture is None:
+            out.loss.backward()
+        else:
+            metrics["opob/second_backward"] = float(self.assemble_grad(out.loss, lp_BS, capture, batch))
         nonempty_B = mask_BS.sum(1) > 0
-        rho = float(ess_ratio(logw_B[nonempty_B])) if bool(nonempty_B.any()) else 1.0
+        m = mask_BS.bool()
+        metrics |= out.metrics
+        metrics["ess/ratio"] = float(ess_ratio(logw_B[nonempty_B])) if bool(nonempty_B.any()) else 1.0
+        metrics["adv/abs_mean"] = float(adv_B.abs().mean())
+        if entropy_BS is not None and bool(m.any()):
+            metrics["entropy/mean"] = float(entropy_BS[m].mean())
+        return metrics
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on ``batch``; returns the step's metrics (flat, namespaced)."""
+        t0 = time.perf_counter()
+        tc = self.config.trainer
+        metrics = self.backward(batch)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, tc.grad_clip))
+        rho = metrics["ess/ratio"]
         scale = ess_lr_scale(rho, tc.ess_lr.reference, tc.ess_lr.rule) if tc.ess_lr.enabled else 1.0
-        lr = tc.lr * scale
+        finite = bool(torch.isfinite(torch.tensor(grad_norm)))
         for group in self.optimizer.param_groups:  # set lr, step, restore (Adam would undo a grad scale)
-            group["lr"] = lr
-        if torch.isfinite(torch.tensor(grad_norm)):
+            group["lr"] = tc.lr * scale
+        if finite:
             self.optimizer.step()
         for group in self.optimizer.param_groups:
             group["lr"] = tc.lr
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-
-        m = mask_BS.bool()
-        metrics |= out.metrics
-        metrics |= {
-            "ess/ratio": rho,
+        return metrics | {
             "grad_norm": grad_norm,
-            "lr": lr,
+            "lr": tc.lr * scale,
             "lr_scale": scale,
-            "entropy/mean": float(entropy_BS[m].mean()) if bool(m.any()) else 0.0,
-            "adv/abs_mean": float(adv_B.abs().mean()),
-            "skipped_step": float(not torch.isfinite(torch.tensor(grad_norm))),
+            "skipped_step": float(not finite),
             "time/learner_s": time.perf_counter() - t0,
         }
-        return metrics
+
+    def assemble_grad(self, loss: Tensor, lp_leaf_BS: Tensor, capture: PerRowGradCapture, batch: Batch) -> bool:
+        """Write grad_theta(loss) into ``.grad`` from the capture; returns whether a second backward ran.
+
+        ``coef = d loss / d lp`` is cheap (the objective is a function of the log-probs only). If it is
+        one value per row on the counted tokens, ``grad_theta loss = sum_b c_b grad score_b`` and the
+        capture assembles it; otherwise a second forward and backward of ``sum coef * lp`` does.
+        """
+        (coef_BS,) = torch.autograd.grad(loss, lp_leaf_BS)
+        mask_BS = batch.response_mask_BS.bool()
+        row_coef_B = torch.where(mask_BS, coef_BS, torch.zeros_like(coef_BS)).sum(1) / mask_BS.sum(1).clamp(min=1)
+        spread = torch.where(mask_BS, coef_BS - row_coef_B[:, None], torch.zeros_like(coef_BS)).abs().max()
+        if float(spread) <= 1e-6 * max(float(row_coef_B.abs().max()), 1e-30):
+            capture.accumulate_grad(row_coef_B)
+            return False
+        lp_BS = token_logprobs(self.model, batch.input_ids_BS, batch.attention_mask_BS,
+                               temperature=self.config.rollout.temperature)
+        (torch.where(mask_BS, coef_BS, torch.zeros_like(coef_BS)) * lp_BS).sum().backward()
+        return True

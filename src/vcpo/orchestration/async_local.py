@@ -43,12 +43,15 @@ class WorkerSpec:
 def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, lock, tickets, results, stop) -> None:
     """Worker loop: take admitted group indices, generate with the newest weights, send groups back."""
     torch.set_num_threads(spec.torch_threads)
+    from transformers.utils import logging as hf_logging
+
     from vcpo.config import TaskConfig
     from vcpo.models.loading import load_policy
     from vcpo.rollout.collect import collect_groups
     from vcpo.rollout.engine import HFRolloutEngine
     from vcpo.tasks import make_task
 
+    hf_logging.disable_progress_bar()
     model, tokenizer = load_policy(spec.model_path, spec.dtype)
     engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1)
     task = make_task(TaskConfig(name=spec.task_name, kwargs=spec.task_kwargs))

@@ -40,13 +40,18 @@ class PerRowGradCapture:
 
     logprobs_BT: Tensor
     terms: list[tuple[nn.Parameter, list[Term]]] = field(repr=False)
+    _sq_norms_B: Tensor | None = field(default=None, init=False, repr=False)
 
     def sq_norms(self) -> Tensor:
-        """[B] float64 ``G_b = ||grad_theta score_b||^2`` summed over parameters (a tied weight counts once)."""
-        total_B = torch.zeros(self.logprobs_BT.shape[0], dtype=torch.float64, device=self.logprobs_BT.device)
-        for param, terms in self.terms:
-            total_B = total_B + sq_norms(param, terms)
-        return total_B
+        """[B] float64 ``G_b = ||grad_theta score_b||^2`` summed over parameters (a tied weight counts once).
+
+        Computed once and kept: the captured factors do not change."""
+        if self._sq_norms_B is None:
+            total_B = torch.zeros(self.logprobs_BT.shape[0], dtype=torch.float64, device=self.logprobs_BT.device)
+            for param, terms in self.terms:
+                total_B = total_B + sq_norms(param, terms)
+            self._sq_norms_B = total_B
+        return self._sq_norms_B
 
     def accumulate_grad(self, coef_B: Tensor) -> None:
         """Adds ``sum_b coef_B[b] * grad_theta score_b`` to each parameter's ``.grad`` (created if None).

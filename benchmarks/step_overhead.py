@@ -1,0 +1,176 @@
+"""Learner-step cost of OPOB: GRPO vs VCPO with exact per-row norms vs VCPO with fast norms.
+
+Runs the three learner steps on the same batch, interleaved round-robin so that machine drift
+hits all three alike, and reports the median step time and the peak memory above the baseline
+for each; the last line is ``vcpo_fast/grpo step-time ratio: X.XX``.
+
+    python benchmarks/step_overhead.py            # default model + a larger random configuration
+    python benchmarks/step_overhead.py --quick    # fewer repeats, under 2 minutes on 2 CPU cores
+    python benchmarks/step_overhead.py --device cuda --setups large,xl   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from vcpo.config import load_config
+from vcpo.learner import Learner
+from vcpo.models import default as default_model
+from vcpo.types import Batch, SamplingParams, Trajectory
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A model configuration and a batch shape: B = prompts x group, prompt and response lengths."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    vocab: int
+    prompts: int
+    group: int
+    prompt_len: int
+    response_len: int
+
+
+SETUPS = {
+    # The embedded default model and the quickstart batch (16 prompts x 8, "12 + 34 = " -> "46<eos>").
+    "default": Setup("default", default_model.HIDDEN_SIZE, default_model.NUM_LAYERS, default_model.NUM_HEADS,
+                     default_model.INTERMEDIATE_SIZE, 103, 16, 8, 8, 6),
+    # More layers, wider, longer sequences (random initialisation).
+    "large": Setup("large", 256, 6, 8, 1024, 512, 8, 8, 32, 96),
+    "xl": Setup("xl", 1024, 12, 16, 4096, 32000, 8, 8, 128, 384),
+}
+
+ARMS = {
+    "grpo": ["objective.name=grpo", "advantage.estimator=grpo", "trainer.ess_lr.enabled=false"],
+    "vcpo_exact": ["objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=exact"],
+    "vcpo_fast": ["objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=fast"],
+}
+
+
+def build_model(s: Setup, device: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+        num_key_value_heads=s.heads, intermediate_size=s.intermediate, tie_word_embeddings=True,
+        max_position_embeddings=max(512, s.prompt_len + s.response_len),
+    )
+    return transformers.LlamaForCausalLM(cfg).to(device).eval()
+
+
+def build_batch(s: Setup, device: str) -> Batch:
+    """A batch with varied response lengths (1..response_len), stale behavior log-probs, 0/1 rewards."""
+    g = torch.Generator().manual_seed(1)
+    trajectories = []
+    for i in range(s.prompts * s.group):
+        r_len = int(torch.randint(max(1, s.response_len // 2), s.response_len + 1, (1,), generator=g))
+        prompt = torch.randint(3, s.vocab, (s.prompt_len,), generator=g).tolist()
+        response = torch.randint(3, s.vocab, (r_len,), generator=g).tolist()
+        blp = (-3 * torch.rand(r_len, generator=g)).tolist()
+        trajectories.append(Trajectory("u", i // s.group, prompt, response, blp, [0] * r_len,
+                                       float(torch.rand(1, generator=g) > 0.5), True, SamplingParams()))
+    b = Batch.from_trajectories(trajectories, pad_id=0)
+    return Batch(**{k: v.to(device) for k, v in b.__dict__.items()})
+
+
+class PeakMemory:
+    """Peak memory above the level at entry: CUDA allocator stats, or the process RSS sampled at 1 kHz."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def __enter__(self) -> PeakMemory:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = self.peak = self._rss()
+            self.running = True
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated()
+        else:
+            self.running = False
+            self.thread.join()
+
+    @property
+    def mib(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+def measure(s: Setup, device: str, repeats: int, warmup: int) -> dict[str, dict[str, float]]:
+    model, batch = build_model(s, device), build_batch(s, device)
+    learners = {arm: Learner(copy.deepcopy(model), load_config(None, overrides)) for arm, overrides in ARMS.items()}
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    peaks: dict[str, float] = dict.fromkeys(ARMS, 0.0)
+    for i in range(warmup + repeats):
+        for arm, learner in learners.items():  # round-robin: drift hits every arm alike
+            with PeakMemory(device) as mem:
+                t0 = time.perf_counter()
+                learner.step(batch)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+            if i >= warmup:
+                times[arm].append(dt)
+                peaks[arm] = max(peaks[arm], mem.mib)
+    return {arm: {"median_s": statistics.median(t), "min_s": min(t), "peak_mib": peaks[arm]}
+            for arm, t in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer repeats, default setup only (< 2 min on 2 cores)")
+    ap.add_argument("--setups", default=None, help=f"comma-separated, from {', '.join(SETUPS)}")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    names = (args.setups or ("default" if args.quick else "default,large")).split(",")
+    repeats = args.repeats or (7 if args.quick else 15)
+    print(f"device={args.device} threads={args.threads} torch={torch.__version__} repeats={repeats}")
+    ratio = None
+    for name in names:
+        s = SETUPS[name]
+        params = sum(p.numel() for p in build_model(s, "cpu").parameters())
+        res = measure(s, args.device, repeats, warmup=2)
+        print(f"\nsetup {name}: {params / 1e6:.2f}M params, B={s.prompts * s.group}, "
+              f"prompt {s.prompt_len}, response <= {s.response_len}")
+        print(f"{'arm':<12}{'median step (s)':>17}{'min (s)':>10}{'peak mem (MiB)':>16}{'x grpo':>9}")
+        for arm, r in res.items():
+            x = r["median_s"] / res["grpo"]["median_s"]
+            print(f"{arm:<12}{r['median_s']:>17.4f}{r['min_s']:>10.4f}{r['peak_mib']:>16.1f}{x:>9.2f}")
+        if name == names[0]:
+            ratio = res["vcpo_fast"]["median_s"] / res["grpo"]["median_s"]
+    print(f"\nvcpo_fast/grpo step-time ratio: {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
