@@ -122,6 +122,59 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory holding m
         _fail(exc)
 
 
+def _int_list(option: str, text: str | None) -> list[int] | None:
+    from vcpo.sweep import SweepError
+
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SweepError(f"{option} {text!r}: expected comma-separated integers, e.g. 0,4,16") from None
+
+
+@app.command()
+def sweep(
+    config: ConfigOpt = None,
+    overrides: Overrides = None,
+    out: Annotated[Path, typer.Option("--out", help="Sweep directory (rerun to resume).")] = Path("runs/sweep"),
+    quick: Annotated[bool, typer.Option("--quick", help="The small grid (< 10 minutes).")] = False,
+    workers: Annotated[int, typer.Option("--workers", help="Cells run at once.")] = 2,
+    arms: Annotated[str | None, typer.Option("--arms", help="Comma-separated arms (default: the grid's).")] = None,
+    ks: Annotated[str | None, typer.Option("--ks", help="Comma-separated staleness values k.")] = None,
+    seeds: Annotated[str | None, typer.Option("--seeds", help="Comma-separated seeds.")] = None,
+) -> None:
+    """Run a grid of (objective arm x staleness k x seed) in lagged mode: `vcpo sweep -c CONFIG --out DIR`."""
+    from vcpo.sweep import FULL_GRID, QUICK_GRID, SweepError, run_sweep
+
+    try:
+        if config is None:
+            raise SweepError("vcpo sweep needs a base config: -c CONFIG.yaml")
+        grid = QUICK_GRID if quick else FULL_GRID
+        results = run_sweep(
+            config, out, arms=arms.split(",") if arms else grid["arms"], ks=_int_list("--ks", ks) or grid["ks"],
+            seeds=_int_list("--seeds", seeds) or grid["seeds"], workers=workers,
+            extra_overrides=[*grid["overrides"], *(overrides or [])], command=" ".join(["vcpo", *sys.argv[1:]]),
+        )
+        failed = [r["cell"] for r in results if r["status"] != "done"]
+        console.print(f"{len(results) - len(failed)} of {len(results)} cells done; results in {out / 'results.jsonl'}"
+                      + (f"; failed: {', '.join(failed)} (see error.txt in each)" if failed else ""))
+    except (*_user_errors(), SweepError) as exc:
+        _fail(exc)
+
+
+@app.command()
+def report(sweep_dir: Annotated[Path, typer.Argument(help="A directory written by `vcpo sweep`.")]) -> None:
+    """Write REPORT.md and PNG figures for a sweep: tables, collapse, early warning, claims checked."""
+    from vcpo.metrics import MetricsError
+    from vcpo.report import ReportError, write_report
+
+    try:
+        console.print(f"wrote {write_report(sweep_dir)}")
+    except (*_user_errors(), ReportError, MetricsError) as exc:
+        _fail(exc)
+
+
 def main() -> None:
     from transformers.utils import logging as hf_logging
 

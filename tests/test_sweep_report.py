@@ -1,0 +1,166 @@
+"""Collapse definition, the early-warning detector and its evaluation, sweep resumability (fake cell runner)
+and the sweep report on a synthetic sweep directory. No real training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from vcpo.collapse import EarlyWarning, collapse_point, eval_series, evaluate_warnings
+from vcpo.report import ReportError, write_report
+from vcpo.sweep import ARMS, Cell, SweepError, cell_argv, run_sweep
+
+# ---------------------------------------------------------------- collapse definition
+
+
+def test_collapse_at_first_eval_below_half_of_best_that_never_recovers():
+    # best so far 0.4 at step 20 -> level 0.2; 0.15 at step 40 and everything after stays < 0.2
+    assert collapse_point([0, 20, 40, 60, 80], [0.3, 0.4, 0.15, 0.1, 0.0]) == 40
+
+
+def test_a_dip_that_recovers_is_not_a_collapse():
+    # 0.1 < 0.5 * 0.4 at step 40, but 0.35 at step 60 is back above 0.2
+    assert collapse_point([0, 20, 40, 60], [0.3, 0.4, 0.1, 0.35]) is None
+    # a dip and partial recovery: step 40 (0.1) is followed by 0.25 >= 0.2, so the collapse is step 80
+    assert collapse_point([0, 20, 40, 60, 80], [0.3, 0.4, 0.1, 0.25, 0.05]) == 80
+
+
+def test_monotone_runs_and_zero_accuracy_never_collapse():
+    assert collapse_point([0, 10, 20], [0.2, 0.3, 0.5]) is None
+    assert collapse_point([0, 10, 20], [0.0, 0.0, 0.0]) is None
+    assert collapse_point([], []) is None
+    with pytest.raises(ValueError, match="differ in length"):
+        collapse_point([0, 10], [0.5])
+
+
+def test_eval_series_puts_the_initial_evaluation_at_step_0():
+    records = [{"step": 1, "eval/accuracy_initial": 0.3}, {"step": 2}, {"step": 3, "eval/accuracy": 0.4}]
+    assert eval_series(records) == ([0, 3], [0.3, 0.4])
+
+
+# ---------------------------------------------------------------- early warning
+
+
+def _stream(ess, grad):
+    return [{"step": i + 1, "ess/ratio": e, "grad_norm": g} for i, (e, g) in enumerate(zip(ess, grad, strict=True))]
+
+
+def test_sharp_ess_drop_warns_and_steady_ess_does_not():
+    steady = _stream([0.9] * 30, [1.0] * 30)
+    detector = EarlyWarning()
+    assert not any(detector.update(r) for r in steady)
+    # ESS 0.9 for 10 steps, then 0.3 < 0.5 * median 0.9 = 0.45 at step 11
+    dropped = _stream([0.9] * 10 + [0.3] * 5, [1.0] * 15)
+    detector = EarlyWarning()
+    flags = [detector.update(r) for r in dropped]
+    assert flags.index(True) == 10 and detector.warning_steps[0] == 11
+
+
+def test_steady_low_ess_does_not_warn_but_a_grad_spike_or_nan_does():
+    detector = EarlyWarning(ess_floor=0.05)
+    assert not any(detector.update(r) for r in _stream([0.2] * 20, [1.0] * 20))  # low but steady: no change
+    # grad 6.0 > 5 x median 1.0 at step 21; a NaN gradient (null in JSON) at step 22
+    assert detector.update({"step": 21, "ess/ratio": 0.2, "grad_norm": 6.0})
+    assert detector.update({"step": 22, "ess/ratio": 0.2, "grad_norm": None})
+    assert detector.warning_steps == [21, 22]
+
+
+def test_evaluate_warnings_counts_by_hand():
+    cells = [
+        {"collapse_step": 100, "warning_steps": [60, 90, 120]},  # hit, lead 100 - 60 = 40
+        {"collapse_step": 50, "warning_steps": [50]},  # hit, lead 0
+        {"collapse_step": 80, "warning_steps": [90]},  # warning only after the collapse: miss
+        {"collapse_step": None, "warning_steps": [10]},  # false alarm
+        {"collapse_step": None, "warning_steps": []},  # quiet
+    ]
+    result = evaluate_warnings(cells)
+    assert (result["collapsed"], result["hits"], result["misses"]) == (3, 2, 1)
+    assert (result["false_alarms"], result["quiet"]) == (1, 1)
+    assert result["lead_steps"] == [40, 0] and result["median_lead_steps"] == 20
+    assert result["recall"] == pytest.approx(2 / 3) and result["false_alarm_rate"] == 0.5
+
+
+# ---------------------------------------------------------------- synthetic runs
+
+
+def _write_cell(run_dir, arm, k, seed, accs, ess=0.9, collapse_from=None):
+    """A fake finished cell: 40 steps, evaluations every 10, optional ESS/grad blow-up from a step on."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step in range(1, 41):
+        bad = collapse_from is not None and step >= collapse_from
+        line = {"step": step, "reward/mean": 0.1 if bad else 0.4, "ess/ratio": 0.05 if bad else ess,
+                "grad_norm": 50.0 if bad else 1.0, "time/step_s": 0.1}
+        if step == 1:
+            line["eval/accuracy_initial"] = accs[0]
+        if step % 10 == 0:
+            line["eval/accuracy"] = accs[step // 10]
+        lines.append(json.dumps(line))
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "async": {"max_staleness": k}}))
+    (run_dir / "summary.json").write_text(json.dumps({
+        "run_dir": str(run_dir), "steps": 40, "initial_accuracy": accs[0], "final_accuracy": accs[-1],
+        "wall_time_s": 12.0, "objective": arm, "mode": "lagged", "max_staleness": k}))
+
+
+def test_run_sweep_skips_finished_cells_and_records_failures(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"trainer": {"max_steps": 40}}))
+    calls = []
+
+    def fake(cell: Cell, argv: list[str]) -> tuple[int, str]:
+        calls.append(cell.name)
+        assert argv[argv.index("train") - 2:argv.index("train") + 1] == ["-m", "vcpo.cli", "train"]
+        assert f"async.max_staleness={cell.k}" in argv and "async.mode=lagged" in argv
+        if cell.arm == "tis_seq" and cell.k == 4:
+            return 1, "Traceback ...\nRuntimeError: boom"
+        _write_cell(cell.run_dir, cell.arm, cell.k, cell.seed, [0.3, 0.3, 0.3, 0.3, 0.3])
+        return 0, ""
+
+    grid = {"arms": ["grpo", "tis_seq"], "ks": [0, 4], "seeds": [0]}
+    results = run_sweep(base, tmp_path / "sw", **grid, workers=2, run_cell=fake, warm_start=False)
+    assert sorted(calls) == ["grpo_k0_s0", "grpo_k4_s0", "tis_seq_k0_s0", "tis_seq_k4_s0"]
+    assert [r["status"] for r in results] == ["done", "done", "done", "failed"]
+    assert "boom" in (tmp_path / "sw/cells/tis_seq_k4_s0/error.txt").read_text()
+    assert len((tmp_path / "sw/results.jsonl").read_text().splitlines()) == 4
+    calls.clear()
+    run_sweep(base, tmp_path / "sw", **grid, workers=2, run_cell=fake, warm_start=False)
+    assert calls == ["tis_seq_k4_s0"]  # resumed: only the failed cell runs again
+    with pytest.raises(SweepError, match="unknown arm 'nope'"):
+        run_sweep(base, tmp_path / "sw", ["nope"], [0], [0], run_cell=fake, warm_start=False)
+
+
+def test_every_arm_is_a_valid_config(tmp_path):
+    from vcpo.config import load_config
+
+    for arm in ARMS:
+        argv = cell_argv(tmp_path / "b.yaml", Cell(arm, 4, 1, tmp_path / arm), [])
+        cfg = load_config(None, argv[argv.index("-c") + 2:])
+        assert (cfg.async_.mode, cfg.async_.max_staleness, cfg.seed) == ("lagged", 4, 1)
+    assert load_config(None, list(ARMS["vcpo_opob_only"])).trainer.ess_lr.enabled is False
+    assert load_config(None, list(ARMS["tis_seq"])).objective.kwargs == {"level": "sequence", "cap": 8}
+
+
+def test_write_report_tables_claims_and_figures(tmp_path):
+    cells = tmp_path / "cells"
+    _write_cell(cells / "grpo_k0_s0", "grpo", 0, 0, [0.3, 0.35, 0.4, 0.4, 0.4])
+    # collapses: best 0.4 at step 10, then 0.1 and 0.0 (< 0.2) from step 20; blow-up from step 15
+    _write_cell(cells / "grpo_k8_s0", "grpo", 8, 0, [0.3, 0.4, 0.1, 0.0, 0.0], collapse_from=15)
+    _write_cell(cells / "vcpo_k0_s0", "vcpo", 0, 0, [0.3, 0.35, 0.4, 0.42, 0.42])
+    _write_cell(cells / "vcpo_k8_s0", "vcpo", 8, 0, [0.3, 0.35, 0.38, 0.40, 0.40], ess=0.6)
+    (cells / "vcpo_k32_s0").mkdir()  # started, never finished
+    path = write_report(tmp_path)
+    text = path.read_text()
+    assert "| grpo | 8 | 0 | 0.300 | 0.000 | 0.400 | yes | 20 | 15 | " in text
+    assert "| vcpo | 8 | 0 | 0.300 | 0.400 | 0.400 | no | - | - | 0.600 | 12 |" in text
+    assert "| grpo | 0.400 | 0.000 |" in text  # aggregate row: k=0, k=8
+    assert "warned before collapse 1, missed 0, false alarms 0" in text and "lead times (steps): [5]" in text
+    assert "(a) Plain and clipped objectives collapse as k grows: HELD" in text
+    assert "(c) VCPO stays stable and matches synchronous accuracy up to k = 128: HELD only up to k = 8" in text
+    assert "The grid has no k = 128" in text and "vcpo_k32_s0" in text
+    for name in ("accuracy_vs_k", "reward_curves", "ess_curves", "grad_norm_curves"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ReportError, match="not a sweep directory"):
+        write_report(tmp_path / "missing")
