@@ -25,6 +25,7 @@ from vcpo.config import load_config
 from vcpo.learner import Learner
 from vcpo.models import default as default_model
 from vcpo.types import Batch, SamplingParams, Trajectory
+from vcpo.variance import token_logprobs
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,10 @@ def build_model(s: Setup, device: str) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg).to(device).eval()
 
 
-def build_batch(s: Setup, device: str) -> Batch:
-    """A batch with varied response lengths (1..response_len), stale behavior log-probs, 0/1 rewards."""
+def build_batch(s: Setup, model: torch.nn.Module, device: str) -> Batch:
+    """A batch with varied response lengths, 0/1 rewards and stale behavior log-probs: the model's own
+    log-probs plus N(0, 0.3) per token, so sequence weights spread around 1 as they do after a few
+    policy versions (log-probs unrelated to the model would put every weight at the clamp floor)."""
     g = torch.Generator().manual_seed(1)
     trajectories = []
     for i in range(s.prompts * s.group):
@@ -81,7 +84,12 @@ def build_batch(s: Setup, device: str) -> Batch:
         trajectories.append(Trajectory("u", i // s.group, prompt, response, blp, [0] * r_len,
                                        float(torch.rand(1, generator=g) > 0.5), True, SamplingParams()))
     b = Batch.from_trajectories(trajectories, pad_id=0)
-    return Batch(**{k: v.to(device) for k, v in b.__dict__.items()})
+    b = Batch(**{k: v.to(device) for k, v in b.__dict__.items()})
+    with torch.no_grad():
+        lp_BS = token_logprobs(model, b.input_ids_BS, b.attention_mask_BS)
+    noise_BS = 0.3 * torch.randn(lp_BS.shape, generator=g).to(device)
+    b.behavior_logprobs_BS = torch.where(b.response_mask_BS.bool(), lp_BS + noise_BS, 0.0)
+    return b
 
 
 class PeakMemory:
@@ -125,7 +133,8 @@ class PeakMemory:
 
 
 def measure(s: Setup, device: str, repeats: int, warmup: int) -> dict[str, dict[str, float]]:
-    model, batch = build_model(s, device), build_batch(s, device)
+    model = build_model(s, device)
+    batch = build_batch(s, model, device)
     learners = {arm: Learner(copy.deepcopy(model), load_config(None, overrides)) for arm, overrides in ARMS.items()}
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     peaks: dict[str, float] = dict.fromkeys(ARMS, 0.0)
@@ -153,6 +162,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # as the trainer does: denormal floats are 10-100x slower on CPUs
     names = (args.setups or ("default" if args.quick else "default,large")).split(",")
     repeats = args.repeats or (7 if args.quick else 15)
     print(f"device={args.device} threads={args.threads} torch={torch.__version__} repeats={repeats}")

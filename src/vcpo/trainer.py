@@ -88,6 +88,9 @@ def _progress(enabled: bool) -> Progress:
 def train(config: Config, resume: bool = False) -> dict[str, Any]:
     """Run (or resume) the job in ``config.run_dir``; returns the run summary (also in summary.json)."""
     torch.set_num_threads(config.runtime.torch_threads)
+    # Tiny importance weights at high staleness make tiny gradient terms; as denormal floats they run
+    # 10-100x slower on CPUs (measured: 27 s instead of 1.6 s for one OPOB gradient assembly).
+    torch.set_flush_denormal(True)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml")

@@ -43,6 +43,7 @@ class WorkerSpec:
 def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, lock, tickets, results, stop) -> None:
     """Worker loop: take admitted group indices, generate with the newest weights, send groups back."""
     torch.set_num_threads(spec.torch_threads)
+    torch.set_flush_denormal(True)  # as in the learner's process (see vcpo.trainer)
     from transformers.utils import logging as hf_logging
 
     from vcpo.config import TaskConfig
