@@ -243,3 +243,11 @@ def test_plot_errors(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss/pg": 0.3}\n')
     with pytest.raises(PlotError, match="none of reward/mean"):
         plot_run(tmp_path)
+
+
+def test_eval_series_starts_at_the_warm_start():
+    from vcpo.plots import _series
+
+    records = [{"step": 1, "eval/accuracy_initial": 0.3}, {"step": 2, "eval/accuracy": 0.4}]
+    assert _series(records, "eval/accuracy") == ([0, 2], [0.3, 0.4])
+    assert _series(records, "reward/mean") == ([], [])

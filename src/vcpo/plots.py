@@ -47,6 +47,10 @@ LR_FALLBACK = Panel("lr.png", "Learning rate", ("lr",))
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the lines that have a finite number under ``key`` (null/NaN entries are gaps)."""
     steps, values = [], []
+    initial = records[0].get("eval/accuracy_initial") if records and key == "eval/accuracy" else None
+    if isinstance(initial, int | float) and math.isfinite(initial):  # the warm start, before any RL step
+        steps.append(0)
+        values.append(float(initial))
     for record in records:
         step, value = record.get("step"), record.get(key)
         if isinstance(step, int) and isinstance(value, int | float) and not isinstance(value, bool):
