@@ -22,8 +22,9 @@ from rich.console import Console
 from vcpo.config import Config
 from vcpo.models import default as default_model
 from vcpo.models.loading import load_policy
+from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.tasks import Task, make_task
-from vcpo.types import Problem
+from vcpo.types import Problem, SamplingParams
 
 FORMAT_VERSION = 1  # bump when the model, tokenizer, prompt format or training recipe changes
 IGNORE_INDEX = -100  # label of prompt and padding positions: no loss there
@@ -168,28 +169,12 @@ def _teacher_forcing_batch(tokenizer: Any, problems: list[Problem]) -> tuple[tor
 
 @torch.no_grad()
 def greedy_completions(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int) -> list[str]:
-    """Greedy completions of ``prompts`` (left-padded into one batch), each cut at its first EOS."""
-    encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    S = max(len(ids) for ids in encoded)
-    input_ids_BS = torch.full((len(encoded), S), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask_BS = torch.zeros((len(encoded), S), dtype=torch.long)
-    for b, ids in enumerate(encoded):
-        input_ids_BS[b, S - len(ids) :] = torch.tensor(ids)
-        attention_mask_BS[b, S - len(ids) :] = 1
-    output_BT = model.generate(
-        input_ids=input_ids_BS,
-        attention_mask=attention_mask_BS,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    texts = []
-    for row in output_BT[:, S:].tolist():
-        if tokenizer.eos_token_id in row:
-            row = row[: row.index(tokenizer.eos_token_id)]
-        texts.append(tokenizer.decode(row, skip_special_tokens=True))
-    return texts
+    """Greedy completions of ``prompts``, each cut at its first EOS, decoded by the rollout engine
+    (one decode path for training and evaluation)."""
+    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    generations = engine.generate(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens), greedy=True)
+    return [tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in generations]
 
 
 def evaluate_accuracy(
