@@ -92,6 +92,16 @@ def test_bad_config_exits_nonzero_with_one_line_naming_it(override, named):
     assert len(lines) == 1 and named in lines[0], proc.stderr
 
 
+def test_fresh_run_refuses_a_directory_holding_another_run(tmp_path, tiny):
+    run = tmp_path / "run"
+    args = ["train", "-c", "configs/quickstart.yaml", *tiny, f"run_dir={run}", "async.mode=sync", "trainer.max_steps=2"]
+    vcpo(*args)
+    proc = vcpo(*args, check=False)
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert proc.returncode != 0 and len(lines) == 1 and "--resume" in lines[0], proc.stderr
+    assert len(metrics(run)) == 2  # the finished run is untouched
+
+
 def test_missing_model_path_is_one_clear_error(tmp_path):
     proc = vcpo("train", "-c", "configs/quickstart.yaml", f"model.path={tmp_path / 'nope'}", check=False)
     assert proc.returncode != 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -155,8 +156,8 @@ def run_sweep(
         prepare_warm_starts(base, overrides, sorted({c.seed for c in todo}))
 
     def one(cell: Cell) -> None:
+        shutil.rmtree(cell.run_dir, ignore_errors=True)  # an interrupted cell restarts from scratch
         cell.run_dir.mkdir(parents=True, exist_ok=True)
-        (cell.run_dir / ERROR_FILE).unlink(missing_ok=True)
         status, stderr_tail = run_cell(cell, cell_argv(base, cell, overrides))
         if status != 0 or not (cell.run_dir / "summary.json").is_file():
             (cell.run_dir / ERROR_FILE).write_text(f"exit status {status}\n{stderr_tail}")

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vcpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from vcpo.config import Config, save_config
+from vcpo.config import Config, ConfigError, save_config
 from vcpo.learner import Learner
 from vcpo.metrics import MetricsLogger, truncate_metrics
 from vcpo.models.loading import load_policy
@@ -92,6 +92,9 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
     # 10-100x slower on CPUs (measured: 27 s instead of 1.6 s for one OPOB gradient assembly).
     torch.set_flush_denormal(True)
     run_dir = Path(config.run_dir)
+    if not resume and latest_checkpoint(run_dir) is not None:
+        raise ConfigError(f"run_dir {str(run_dir)!r} already holds a run with checkpoints: continue it with "
+                          f"--resume {run_dir}, or choose another run_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml")
     seed_everything(config.seed)
