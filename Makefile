@@ -26,6 +26,7 @@ test: lint unit
 # The main job: warm-start the embedded model by SFT (cached in .cache/vcpo), train it with
 # asynchronous VCPO, print held-out accuracy before and after, and write the plots.
 demo: $(STAMP)
+	rm -rf runs/quickstart  # each demo is a fresh run; the SFT warm start stays cached
 	HF_HUB_OFFLINE=1 $(BIN)/vcpo train -c configs/quickstart.yaml run_dir=runs/quickstart
 	$(BIN)/vcpo plot runs/quickstart
 
