@@ -84,19 +84,21 @@ class Learner:
         if ac.estimator != "opob":
             adv = compute_advantages(ac.estimator, batch.rewards_B, batch.group_ids_B, lengths=lengths_B)
             return adv, {}
-        t0 = time.perf_counter()
-        if capture is not None:
+        metrics: dict[str, float] = {}
+        if capture is not None:  # computed by the forward's capture
             G_B = capture.sq_norms()
         else:
+            t0 = time.perf_counter()
             G_B = trajectory_grad_sq_norms(
                 self.model, batch.input_ids_BS, batch.response_mask_BS, batch.attention_mask_BS,
                 method=ac.grad_norm_method,
             )
+            metrics["time/grad_norms_s"] = time.perf_counter() - t0
         adv = compute_advantages(
             "opob", batch.rewards_B, batch.group_ids_B, logw=logw_B, grad_sq_norms=G_B,
             weighting=ac.opob_weighting,
         )
-        return adv, {"opob/grad_sq_norm_mean": float(G_B.mean()), "time/grad_norms_s": time.perf_counter() - t0}
+        return adv, metrics | {"opob/grad_sq_norm_mean": float(G_B.mean())}
 
     def backward(self, batch: Batch) -> dict[str, float]:
         """Put grad_theta of the objective on ``batch`` into ``.grad``; returns the metrics so far."""
@@ -159,12 +161,13 @@ class Learner:
         """
         (coef_BS,) = torch.autograd.grad(loss, lp_leaf_BS)
         mask_BS = batch.response_mask_BS.bool()
-        row_coef_B = torch.where(mask_BS, coef_BS, torch.zeros_like(coef_BS)).sum(1) / mask_BS.sum(1).clamp(min=1)
+        coef_BS = torch.where(mask_BS, coef_BS, torch.zeros_like(coef_BS))
+        row_coef_B = coef_BS.sum(1) / mask_BS.sum(1).clamp(min=1)
         spread = torch.where(mask_BS, coef_BS - row_coef_B[:, None], torch.zeros_like(coef_BS)).abs().max()
         if float(spread) <= 1e-6 * max(float(row_coef_B.abs().max()), 1e-30):
             capture.accumulate_grad(row_coef_B)
             return False
         lp_BS = token_logprobs(self.model, batch.input_ids_BS, batch.attention_mask_BS,
                                temperature=self.config.rollout.temperature)
-        (torch.where(mask_BS, coef_BS, torch.zeros_like(coef_BS)) * lp_BS).sum().backward()
+        (coef_BS * lp_BS).sum().backward()
         return True

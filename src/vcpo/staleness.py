@@ -45,13 +45,8 @@ class StalenessController:
         return (self.k + self._version + 1) * self.groups_per_step
 
     def try_admit(self) -> int | None:
-        """Admit one new rollout group if the bound allows; returns the version at admission."""
-        with self._cond:
-            net = self.stats.admitted - self.stats.dropped_over_bound - self.stats.dropped_alpha
-            if net >= self.capacity():
-                return None
-            self.stats.admitted += 1
-            return self._version
+        """Admit one new rollout group if the bound allows now; returns the version at admission."""
+        return self.wait_admit(timeout_s=0)
 
     def wait_admit(self, timeout_s: float | None = None) -> int | None:
         """Block until a group may start (or the timeout passes)."""

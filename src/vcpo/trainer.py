@@ -150,8 +150,7 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
                 batch = Batch.from_trajectories(trajectories, pad_id=tokenizer.pad_token_id)
                 metrics |= learner.step(batch)
                 source.publish(model, learner.version)
-                if hasattr(source, "dropped"):
-                    metrics |= source.dropped()
+                metrics |= source.metrics()
                 step = learner.version
                 if step == tc.max_steps or (tc.eval_every and step % tc.eval_every == 0):
                     last_accuracy = metrics["eval/accuracy"] = evaluate()

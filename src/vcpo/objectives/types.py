@@ -105,8 +105,10 @@ class ObjectiveInputs:
     @property
     def behavior_log_ratio(self) -> Tensor:
         """[B, T] detached, unclamped d = lp - blp, zeroed outside the mask."""
-        d = (self.logprobs.detach() - self.behavior_logprobs.detach()) * self.mask_f
-        return torch.where(self.mask.bool(), d, torch.zeros_like(d))
+        if "behavior_log_ratio" not in self._cache:
+            d = self.logprobs.detach() - self.behavior_logprobs.detach()
+            self._cache["behavior_log_ratio"] = torch.where(self.mask.bool(), d, torch.zeros_like(d))
+        return self._cache["behavior_log_ratio"]
 
     @property
     def seq_log_weights(self) -> Tensor:

@@ -149,7 +149,7 @@ class AsyncSource:
             self.version.value = version
         self.controller.set_version(version)
 
-    def dropped(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         s = self.controller.stats
         return {"staleness/dropped_over_bound": float(s.dropped_over_bound),
                 "staleness/dropped_alpha": float(s.dropped_alpha)}

@@ -21,6 +21,10 @@ class RolloutSource(Protocol):
         """The learner finished a step: ``model`` now holds policy ``version``."""
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """The source's own per-step metrics (e.g. samples dropped for staleness)."""
+        ...
+
     def state(self) -> dict[str, Any]:
         """JSON-able state that a checkpoint needs to resume this source exactly."""
         ...

@@ -34,6 +34,9 @@ class SyncSource:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         self.engine.version = version
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def state(self) -> dict[str, Any]:
         return {}
 
@@ -71,6 +74,9 @@ class LaggedSource:
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         self._fill(version, range(version + self.k, version + self.k + 1))
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     def state(self) -> dict[str, Any]:
         return {str(i): [trajectory_to_dict(t) for t in b] for i, b in self.pending.items()}
