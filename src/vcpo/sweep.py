@@ -45,8 +45,10 @@ ARMS: dict[str, tuple[str, ...]] = {
 }
 """Each arm: the dotted overrides (as `vcpo train` takes them) that turn the base config into that method."""
 
+# The study's lr: probes at 3e-4 (nothing collapses in 200 steps), 5e-4 (k=0 barely learns, k=64 grpo collapses)
+# and 7e-4 / 1e-3 (even k=0 degrades) put it at 4e-4; see benchmarks/staleness/.
 FULL_GRID = {"arms": list(ARMS), "ks": [0, 4, 16, 64, 128], "seeds": [0, 1],
-             "overrides": ["trainer.max_steps=300", "trainer.eval_every=25", "task.eval_size=200"]}
+             "overrides": ["trainer.lr=4e-4", "trainer.max_steps=300", "trainer.eval_every=25", "task.eval_size=200"]}
 QUICK_GRID = {"arms": ["grpo", "tis_seq", "vcpo", "vcpo_ess_only", "vcpo_opob_only"], "ks": [0, 8, 32], "seeds": [0],
               "overrides": ["trainer.max_steps=60", "trainer.eval_every=10", "task.eval_size=200"]}
 SWEEP_FILE = "sweep.json"
@@ -151,7 +153,8 @@ def run_sweep(
         "grid": {"arms": arms, "ks": ks, "seeds": seeds, "overrides": overrides, "workers": workers},
     }, indent=2))
 
-    todo = [c for c in cells if not (c.run_dir / "summary.json").is_file()]
+    # Seed-major order: a sweep stopped part-way has whole seeds rather than whole arms.
+    todo = sorted((c for c in cells if not (c.run_dir / "summary.json").is_file()), key=lambda c: c.seed)
     if todo and warm_start:
         prepare_warm_starts(base, overrides, sorted({c.seed for c in todo}))
 
