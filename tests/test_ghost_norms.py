@@ -63,6 +63,19 @@ def test_fast_matches_exact(which, dtype):
     assert rel_err(fast, exact) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_rms_norm_weight_with_zero_entries(dtype):
+    # x_hat is the norm's output divided by its weight, except where a weight entry is (near) zero: recomputed.
+    model = tiny("llama", dtype)
+    with torch.no_grad():
+        model.model.layers[0].input_layernorm.weight[3] = 0.0
+        model.model.layers[1].post_attention_layernorm.weight[5] = 1e-9
+        model.model.norm.weight.mul_(-0.5)
+    exact = trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, ATTENTION, method="exact")
+    fast = trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, ATTENTION, method="fast")
+    assert rel_err(fast, exact) < TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("gram", [True, False])
 def test_gram_and_materialised_forms_agree_with_exact(monkeypatch, gram):
     # Tied: the shared weight's Gram / materialised forms both mix the embedding's one-hot rows with the head.

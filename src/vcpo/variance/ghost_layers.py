@@ -3,6 +3,7 @@ gradient of its parameters, the squared norms of those per-row gradients and the
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -58,16 +59,27 @@ def module_kind(module: nn.Module) -> str | None:
 
 
 def _hf_rms_x_hat(module: nn.Module, x: Tensor, output: Tensor) -> Tensor:
-    """x_hat of a Hugging Face RMSNorm (float32 statistics, cast back), verified against the module's own output."""
+    """x_hat of a Hugging Face RMSNorm (float32 statistics, cast back), verified against the module's own output.
+
+    The formula is the class's, not the data's, so it is checked on the first row only; then x_hat is the output
+    divided by the scale (one pass over the activations instead of recomputing the statistics) unless the scale
+    has an entry near zero, where the division cannot recover it.
+    """
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    x32 = x.to(torch.float32)
-    x_hat = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def recompute(x: Tensor) -> Tensor:
+        x32 = x.to(torch.float32)
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    x_hat_row = recompute(x[:1])
     tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(output.dtype, 2e-2)
     # y = w * x_hat (Qwen2, Llama) and y = (1 + w) * x_hat (Gemma) share dy/dw = x_hat; anything else is refused.
-    # The formula is the class's, not the data's: checking the first row is enough.
     for scale in (module.weight, 1.0 + module.weight.float()):
-        if torch.allclose(output[:1], (scale * x_hat[:1]).to(output.dtype), rtol=tol, atol=tol):
-            return x_hat
+        if torch.allclose(output[:1], (scale * x_hat_row).to(output.dtype), rtol=tol, atol=tol):
+            # A near-zero scale entry (or a flushed denormal product) cannot be divided back out.
+            if output.dtype in (torch.float32, torch.float64) and float(scale.detach().abs().min()) > 1e-6:
+                return (output / scale.to(output.dtype)).to(x.dtype)
+            return recompute(x)
     raise NotImplementedError(
         f"{type(module).__name__} is not y = weight * rms_normalised(x); fast grad norms cannot handle it"
     )
@@ -212,3 +224,79 @@ def weighted_grad(param: nn.Parameter, terms: list[Term], coef_B: Tensor) -> Ten
         else:
             total.index_add_(0, t.left.reshape(-1), right_MC)
     return total.to(param.dtype)
+
+
+def _factor_key(t: Tensor) -> tuple:
+    """The identity of a factor's data. Modules that read one tensor (q/k/v, gate/up) hold views of the same
+    memory, and hooked activations are never modified in place (checked at capture), so equal keys mean equal
+    factors."""
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
+def dense_single_term(param: nn.Parameter, terms: list[Term]) -> MatrixTerm | None:
+    """The term of a weight used by one module call with dense factors (a Linear or Conv1D), else None."""
+    if len(terms) == 1 and isinstance(terms[0], MatrixTerm) and terms[0].left.dim() == 3 and param.dim() == 2:
+        return terms[0]
+    return None
+
+
+def shared_gram_sq_norms(terms: list[MatrixTerm], dtype: torch.dtype) -> Tensor:
+    """[B] ``sum_terms ||sum_n l_n r_n^T||^2`` by token Grams, one Gram per distinct factor tensor.
+
+    q/k/v (and gate/up) read the same input, so their input Gram is computed once and multiplied by the sum of
+    their output-gradient Grams: ``sum_p <A, G_p> = <A, sum_p G_p>``."""
+    B = terms[0].right_BNC.shape[0]
+    n_max = max(max(t.left.shape[1], t.right_BNC.shape[1]) for t in terms)
+    step = max(1, _CHUNK_ELEMENTS // (n_max * n_max))
+    groups: dict[tuple, tuple[Tensor, list[Tensor]]] = {}
+    for t in terms:
+        groups.setdefault(_factor_key(t.right_BNC), (t.right_BNC, []))[1].append(t.left)
+    chunks = []
+    for start in range(0, B, step):
+        rows = slice(start, min(B, start + step))
+        grams: dict[tuple, Tensor] = {}
+        total = torch.zeros(rows.stop - rows.start, dtype=dtype, device=terms[0].right_BNC.device)
+        for right, lefts in groups.values():
+            left_sum = sum(_cached_gram(x, rows, dtype, grams) for x in lefts)
+            total += (_cached_gram(right, rows, dtype, grams) * left_sum).sum((1, 2))
+        chunks.append(total)
+    return torch.cat(chunks)
+
+
+def _cached_gram(x: Tensor, rows: slice, dtype: torch.dtype, cache: dict[tuple, Tensor]) -> Tensor:
+    """[b, N, N] token Gram of ``x[rows]``, computed once per distinct factor tensor."""
+    key = _factor_key(x)
+    if key not in cache:
+        xr = x[rows].to(dtype)
+        cache[key] = torch.bmm(xr, xr.transpose(1, 2))
+    return cache[key]
+
+
+def shared_weighted_grads(items: list[tuple[nn.Parameter, MatrixTerm]], coef_B: Tensor) -> list[Tensor]:
+    """``sum_b coef_b grad_b`` of each dense single-term weight, as one matmul each.
+
+    The coefficients scale one factor per weight, the one cheapest per use: a factor shared by several weights
+    (the input of q/k/v) is scaled once, and otherwise the narrower one."""
+    keys = [(_factor_key(t.left), _factor_key(t.right_BNC)) for _, t in items]
+    uses = Counter(k for pair in keys for k in pair)
+    scaled: dict[tuple, Tensor] = {}
+
+    def scale(x: Tensor, key: tuple, dtype: torch.dtype) -> Tensor:
+        if key not in scaled:
+            scaled[key] = (coef_B.to(dtype)[:, None, None] * x.to(dtype)).reshape(-1, x.shape[-1])
+        return scaled[key]
+
+    grads = []
+    for (param, t), (kl, kr) in zip(items, keys, strict=True):
+        dtype = _compute_dtype(param, t.left, t.right_BNC)
+        scale_left = kl in scaled or (
+            kr not in scaled and t.left.shape[-1] / uses[kl] < t.right_BNC.shape[-1] / uses[kr]
+        )
+        if scale_left:
+            left = scale(t.left, kl, dtype)
+            right = t.right_BNC.to(dtype).reshape(-1, t.right_BNC.shape[-1])
+        else:
+            left = t.left.to(dtype).reshape(-1, t.left.shape[-1])
+            right = scale(t.right_BNC, kr, dtype)
+        grads.append((left.T @ right).to(param.dtype))
+    return grads
