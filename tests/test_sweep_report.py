@@ -160,7 +160,22 @@ def test_write_report_tables_claims_and_figures(tmp_path):
     assert "(a) Plain and clipped objectives collapse as k grows: HELD" in text
     assert "(c) VCPO stays stable and matches synchronous accuracy up to k = 128: HELD only up to k = 8" in text
     assert "The grid has no k = 128" in text and "vcpo_k32_s0" in text
-    for name in ("accuracy_vs_k", "reward_curves", "ess_curves", "grad_norm_curves"):
+    assert "(d) VESPO stays stable up to 64x staleness: NOT TESTED" in text
+    for name in ("accuracy_vs_k", "accuracy_curves", "reward_curves", "ess_curves", "grad_norm_curves"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ReportError, match="not a sweep directory"):
         write_report(tmp_path / "missing")
+
+
+def test_vespo_claim_held_and_not_held(tmp_path):
+    for name, collapse_k in (("held", None), ("broken", 16)):
+        sweep = tmp_path / name / "cells"
+        for k in (0, 16, 64):
+            collapses = k == collapse_k
+            accs = [0.3, 0.4, 0.1, 0.0, 0.0] if collapses else [0.3, 0.35, 0.38, 0.4, 0.4]
+            _write_cell(sweep / f"vespo_k{k}_s0", "vespo", k, 0, accs)
+        text = write_report(tmp_path / name).read_text()
+        if collapse_k is None:
+            assert "(d) VESPO stays stable up to 64x staleness: HELD on this grid (collapsed at no k <= 64;" in text
+        else:
+            assert "(d) VESPO stays stable up to 64x staleness: DID NOT HOLD on this grid (collapsed at k=16;" in text

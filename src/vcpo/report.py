@@ -79,7 +79,7 @@ def _final_by_arm_k(cells: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
 
 
 def claims(cells: list[dict[str, Any]], evaluation: dict[str, Any], ks: list[int]) -> list[str]:
-    """The three claims of the issue, each stated as held / did not hold / not tested on this grid."""
+    """The claims under test (VCPO's (a)-(c), VESPO's (d)), each stated as held / did not hold / not tested."""
     lines = []
     collapsed_at = {arm: sorted({c["k"] for c in cells if c["arm"] == arm and c["collapse_step"] is not None})
                     for arm in BASELINES if any(c["arm"] == arm for c in cells)}
@@ -122,6 +122,18 @@ def claims(cells: list[dict[str, Any]], evaluation: dict[str, Any], ks: list[int
                      f"{verdict} on this grid ({'no' if stable else 'some'} "
                      f"vcpo run collapsed; final accuracy vs k=0 {base:.3f}, tolerance {MATCH_TOLERANCE}: "
                      f"{detail}).{scope}")
+    vespo = [c for c in cells if c["arm"] == "vespo"]
+    tested = sorted({c["k"] for c in vespo if 0 < c["k"] <= 64})
+    if not tested:
+        lines.append("(d) VESPO stays stable up to 64x staleness: NOT TESTED (no vespo run with 0 < k <= 64).")
+    else:
+        collapsed = sorted({c["k"] for c in vespo if c["k"] <= 64 and c["collapse_step"] is not None})
+        finals = _final_by_arm_k(vespo).get("vespo", {})
+        detail = ", ".join(f"k={k}: {acc:.3f}" for k, acc in finals.items())
+        verdict = "DID NOT HOLD" if collapsed else "HELD" if 64 in tested else f"HELD up to k = {max(tested)}"
+        lines.append(f"(d) VESPO stays stable up to 64x staleness: {verdict} on this grid (collapsed at "
+                     f"{', '.join(f'k={k}' for k in collapsed) if collapsed else 'no k <= 64'}; "
+                     f"final accuracy {detail}).")
     return lines
 
 
@@ -179,7 +191,7 @@ def _accuracy_vs_k(cells: list[dict[str, Any]], path: Path) -> Path:
 
 
 def write_report(sweep_dir: str | Path) -> Path:
-    """Write ``sweep_dir/REPORT.md`` and its figures (accuracy_vs_k, reward, ess and grad-norm curves)."""
+    """Write ``sweep_dir/REPORT.md`` and its figures (accuracy vs k; accuracy, reward, ESS and grad-norm curves)."""
     sweep_dir = Path(sweep_dir)
     if not (sweep_dir / "cells").is_dir():
         raise ReportError(f"{str(sweep_dir)!r} is not a sweep directory (no cells/ inside)")
@@ -220,6 +232,7 @@ def write_report(sweep_dir: str | Path) -> Path:
             "", "## Claims", "", *[f"- {line}" for line in claims(cells, evaluation, ks)], "", "## Figures", ""]
     figures = [
         _accuracy_vs_k(cells, sweep_dir / "accuracy_vs_k.png"),
+        _curves(cells, "eval/accuracy", "Held-out accuracy", sweep_dir / "accuracy_curves.png"),
         _curves(cells, "reward/mean", "Training reward (10-step mean)", sweep_dir / "reward_curves.png", smooth=10),
         _curves(cells, "ess/ratio", "ESS ratio", sweep_dir / "ess_curves.png"),
         _curves(cells, "grad_norm", "Gradient norm (before clipping)", sweep_dir / "grad_norm_curves.png", log_y=True),
