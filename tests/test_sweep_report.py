@@ -48,23 +48,37 @@ def _stream(ess, grad):
 
 
 def test_sharp_ess_drop_warns_and_steady_ess_does_not():
-    steady = _stream([0.9] * 30, [1.0] * 30)
+    steady = _stream([0.9] * 40, [1.0] * 40)
     detector = EarlyWarning()
     assert not any(detector.update(r) for r in steady)
-    # ESS 0.9 for 10 steps, then 0.3 < 0.5 * median 0.9 = 0.45 at step 11
-    dropped = _stream([0.9] * 10 + [0.3] * 5, [1.0] * 15)
+    # ESS 0.9 for 25 steps, then 0.3: the 5-step mean reaches (0.9 + 4 x 0.3) / 5 = 0.42 < 0.5 x 0.9 at step 29
+    dropped = _stream([0.9] * 25 + [0.3] * 5, [1.0] * 30)
     detector = EarlyWarning()
     flags = [detector.update(r) for r in dropped]
-    assert flags.index(True) == 10 and detector.warning_steps[0] == 11
+    assert flags.index(True) == 28 and detector.warning_steps == [29, 30]
+    # One low batch among high ones is noise, not a fall: (4 x 0.9 + 0.1) / 5 = 0.74
+    noisy = _stream([0.9] * 25 + [0.1] + [0.9] * 10, [1.0] * 36)
+    detector = EarlyWarning()
+    assert not any(detector.update(r) for r in noisy)
+
+
+def test_no_relative_warning_before_a_full_window_but_the_floor_applies():
+    # The lag ramp-up of a stale run: ESS falls from 1 in the first steps; no warning without 20 steps of history
+    ramp = _stream([1.0, 0.7, 0.5, 0.3, 0.2, 0.2, 0.2, 0.2], [1.0, 1.0, 9.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    detector = EarlyWarning()
+    assert not any(detector.update(r) for r in ramp)
+    floor = _stream([0.04] * 6, [1.0] * 6)  # the 5-step mean is below ess_floor from step 5
+    detector = EarlyWarning()
+    assert [detector.update(r) for r in floor] == [False] * 4 + [True, True]
 
 
 def test_steady_low_ess_does_not_warn_but_a_grad_spike_or_nan_does():
     detector = EarlyWarning(ess_floor=0.05)
-    assert not any(detector.update(r) for r in _stream([0.2] * 20, [1.0] * 20))  # low but steady: no change
-    # grad 6.0 > 5 x median 1.0 at step 21; a NaN gradient (null in JSON) at step 22
-    assert detector.update({"step": 21, "ess/ratio": 0.2, "grad_norm": 6.0})
-    assert detector.update({"step": 22, "ess/ratio": 0.2, "grad_norm": None})
-    assert detector.warning_steps == [21, 22]
+    assert not any(detector.update(r) for r in _stream([0.2] * 30, [1.0] * 30))  # low but steady: no change
+    # grad 6.0 > 5 x median 1.0 at step 31; a NaN gradient (null in JSON) at step 32
+    assert detector.update({"step": 31, "ess/ratio": 0.2, "grad_norm": 6.0})
+    assert detector.update({"step": 32, "ess/ratio": 0.2, "grad_norm": None})
+    assert detector.warning_steps == [31, 32]
 
 
 def test_evaluate_warnings_counts_by_hand():
@@ -146,14 +160,14 @@ def test_every_arm_is_a_valid_config(tmp_path):
 def test_write_report_tables_claims_and_figures(tmp_path):
     cells = tmp_path / "cells"
     _write_cell(cells / "grpo_k0_s0", "grpo", 0, 0, [0.3, 0.35, 0.4, 0.4, 0.4])
-    # collapses: best 0.4 at step 10, then 0.1 and 0.0 (< 0.2) from step 20; blow-up from step 15
-    _write_cell(cells / "grpo_k8_s0", "grpo", 8, 0, [0.3, 0.4, 0.1, 0.0, 0.0], collapse_from=15)
+    # collapses: best 0.4 at step 20, then 0.1 and 0.0 (< 0.2) from step 30; blow-up from step 25
+    _write_cell(cells / "grpo_k8_s0", "grpo", 8, 0, [0.3, 0.35, 0.4, 0.1, 0.0], collapse_from=25)
     _write_cell(cells / "vcpo_k0_s0", "vcpo", 0, 0, [0.3, 0.35, 0.4, 0.42, 0.42])
     _write_cell(cells / "vcpo_k8_s0", "vcpo", 8, 0, [0.3, 0.35, 0.38, 0.40, 0.40], ess=0.6)
     (cells / "vcpo_k32_s0").mkdir()  # started, never finished
     path = write_report(tmp_path)
     text = path.read_text()
-    assert "| grpo | 8 | 0 | 0.300 | 0.000 | 0.400 | yes | 20 | 15 | " in text
+    assert "| grpo | 8 | 0 | 0.300 | 0.000 | 0.400 | yes | 30 | 25 | " in text
     assert "| vcpo | 8 | 0 | 0.300 | 0.400 | 0.400 | no | - | - | 0.600 | 12 |" in text
     assert "| grpo | 0.400 | 0.000 |" in text  # aggregate row: k=0, k=8
     assert "warned before collapse 1, missed 0, false alarms 0" in text and "lead times (steps): [5]" in text
@@ -179,3 +193,12 @@ def test_vespo_claim_held_and_not_held(tmp_path):
             assert "(d) VESPO stays stable up to 64x staleness: HELD on this grid (collapsed at no k <= 64;" in text
         else:
             assert "(d) VESPO stays stable up to 64x staleness: DID NOT HOLD on this grid (collapsed at k=16;" in text
+
+
+def test_report_evaluates_the_detector_on_held_out_seeds(tmp_path):
+    _write_cell(tmp_path / "cells" / "grpo_k8_s0", "grpo", 8, 0, [0.3, 0.35, 0.4, 0.1, 0.0], collapse_from=25)
+    _write_cell(tmp_path / "cells" / "grpo_k8_s1", "grpo", 8, 1, [0.3, 0.35, 0.4, 0.4, 0.4], collapse_from=25)
+    text = write_report(tmp_path).read_text()
+    assert "warned before collapse 1, missed 0, false alarms 1" in text
+    assert ("On seed 1 alone (the detector was revised after inspecting seed-0 cells, so these are its held-out "
+            "runs): cells 1, collapsed 0, warned before collapse 0, missed 0, false alarms 1") in text

@@ -190,6 +190,19 @@ def _accuracy_vs_k(cells: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def _held_out_warnings(cells: list[dict[str, Any]]) -> list[str]:
+    """The detector's record on the seeds it was not designed on (it was revised after the first seed's cells)."""
+    seeds = sorted({c["seed"] for c in cells})
+    if len(seeds) < 2:
+        return []
+    e = evaluate_warnings([c for c in cells if c["seed"] != seeds[0]])
+    return ["", f"On seed{'s' if len(seeds) > 2 else ''} {', '.join(map(str, seeds[1:]))} alone (the detector "
+            f"was revised after inspecting seed-{seeds[0]} cells, so these are its held-out runs): cells "
+            f"{e['cells']}, collapsed {e['collapsed']}, warned before collapse {e['hits']}, missed {e['misses']}, "
+            f"false alarms {e['false_alarms']}, quiet and stable {e['quiet']}; lead times (steps): "
+            f"{e['lead_steps'] or 'none'}."]
+
+
 def write_report(sweep_dir: str | Path) -> Path:
     """Write ``sweep_dir/REPORT.md`` and its figures (accuracy vs k; accuracy, reward, ESS and grad-norm curves)."""
     sweep_dir = Path(sweep_dir)
@@ -229,7 +242,8 @@ def write_report(sweep_dir: str | Path) -> Path:
             f"Cells {evaluation['cells']}, collapsed {evaluation['collapsed']}, warned before collapse "
             f"{evaluation['hits']}, missed {evaluation['misses']}, false alarms {evaluation['false_alarms']}, "
             f"quiet and stable {evaluation['quiet']}; lead times (steps): {evaluation['lead_steps'] or 'none'}.",
-            "", "## Claims", "", *[f"- {line}" for line in claims(cells, evaluation, ks)], "", "## Figures", ""]
+            *_held_out_warnings(cells), "", "## Claims", "",
+            *[f"- {line}" for line in claims(cells, evaluation, ks)], "", "## Figures", ""]
     figures = [
         _accuracy_vs_k(cells, sweep_dir / "accuracy_vs_k.png"),
         _curves(cells, "eval/accuracy", "Held-out accuracy", sweep_dir / "accuracy_curves.png"),
