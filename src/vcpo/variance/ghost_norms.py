@@ -12,6 +12,7 @@ assemble a per-row-weighted gradient.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -92,6 +93,17 @@ class PerRowGradCapture:
                 param.grad.add_(grad)
 
 
+@dataclass
+class _Plan:
+    key: tuple[int, ...]
+    kinds: dict[nn.Module, str]
+    names: dict[int, str]
+    graph_checked: bool = False
+
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
+
+
 def _plan(model: nn.Module, params: list[nn.Parameter]) -> tuple[dict[nn.Module, str], dict[int, str]]:
     """Supported modules to hook, by rule name; a module owning a trainable parameter that fits no rule is an error."""
     trainable = {id(p) for p in params}
@@ -168,10 +180,14 @@ def _hooked_forward(
             handle.remove()
 
 
-def _refuse_unaccounted(score: Tensor, calls: list[_Call], params: list[nn.Parameter], names: dict[int, str]) -> None:
-    """Raises if a hooked activation changed in place or a parameter reaches the score other than through its module."""
+def _refuse_in_place(calls: list[_Call]) -> None:
+    """Raises if a hooked activation changed in place after the hook kept it."""
     if any((c.saved._version, c.output._version) != c.versions for c in calls):
         raise NotImplementedError("fast grad norms: a hooked activation was modified in place during the forward")
+
+
+def _refuse_unaccounted(score: Tensor, calls: list[_Call], params: list[nn.Parameter], names: dict[int, str]) -> None:
+    """Raises if a parameter reaches the score other than through the hooked calls of the module that owns it."""
     calls_per_param: dict[int, int] = {}
     for c in calls:
         for p in c.module.parameters(recurse=False):
@@ -192,9 +208,16 @@ def _capture(
     # Checkpointed layers re-run their forward inside the backward, after the hooks are gone.
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise NotImplementedError("fast grad norms do not support gradient checkpointing; use method='exact'")
-    kinds, names = _plan(model, params)
-    score, logp_BT, calls = _hooked_forward(model, kinds, input_ids, response_mask, attention_mask, temperature)
-    _refuse_unaccounted(score, calls, params, names)
+    # The plan and the graph check depend on the model's structure only: done once per model and trainable set.
+    key = tuple(id(p) for p in params)
+    plan = _PLANS.get(model)
+    if plan is None or plan.key != key:
+        plan = _PLANS[model] = _Plan(key, *_plan(model, params))
+    score, logp_BT, calls = _hooked_forward(model, plan.kinds, input_ids, response_mask, attention_mask, temperature)
+    _refuse_in_place(calls)
+    if not plan.graph_checked:
+        _refuse_unaccounted(score, calls, params, plan.names)
+        plan.graph_checked = True
     # Rows do not interact, so the gradient of sum_b score_b at row b's activations is that of score_b alone.
     live = [c for c in calls if c.output.requires_grad]
     grads = torch.autograd.grad(score, [c.output for c in live], allow_unused=True) if live else ()
