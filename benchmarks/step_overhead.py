@@ -24,6 +24,7 @@ import transformers
 from vcpo.config import load_config
 from vcpo.learner import Learner
 from vcpo.models import default as default_model
+from vcpo.runtime import configure_cpu
 from vcpo.types import Batch, SamplingParams, Trajectory
 from vcpo.variance import token_logprobs
 
@@ -161,8 +162,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)  # as the trainer does: denormal floats are 10-100x slower on CPUs
+    configure_cpu(args.threads)  # threads, flushed denormals, allocator: as the trainer does
     names = (args.setups or ("default" if args.quick else "default,large")).split(",")
     repeats = args.repeats or (7 if args.quick else 15)
     print(f"device={args.device} threads={args.threads} torch={torch.__version__} repeats={repeats}")

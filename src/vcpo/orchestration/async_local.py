@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from vcpo.orchestration.base import ProblemStream, generator_for
+from vcpo.runtime import configure_cpu
 from vcpo.staleness import StalenessController
 from vcpo.types import SamplingParams, Trajectory
 
@@ -42,8 +43,7 @@ class WorkerSpec:
 
 def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, lock, tickets, results, stop) -> None:
     """Worker loop: take admitted group indices, generate with the newest weights, send groups back."""
-    torch.set_num_threads(spec.torch_threads)
-    torch.set_flush_denormal(True)  # as in the learner's process (see vcpo.trainer)
+    configure_cpu(spec.torch_threads)  # as in the learner's process
     from transformers.utils import logging as hf_logging
 
     from vcpo.config import TaskConfig
