@@ -170,6 +170,10 @@ def test_write_report_tables_claims_and_figures(tmp_path):
     assert "| grpo | 8 | 0 | 0.300 | 0.000 | 0.400 | yes | 30 | 25 | " in text
     assert "| vcpo | 8 | 0 | 0.300 | 0.400 | 0.400 | no | - | - | 0.600 | 12 |" in text
     assert "| grpo | 0.400 | 0.000 |" in text  # aggregate row: k=0, k=8
+    late = text.split("## Late held-out accuracy")[1]
+    assert "| grpo | 0.400 | 0.167 |" in late  # k=8: the last three evaluations 0.4, 0.1, 0.0
+    reward = text.split("## Training reward")[1]
+    assert "| grpo | 0.400 | 0.280 |" in reward  # k=8: 24 steps at 0.4, then 16 at 0.1
     assert "warned before collapse 1, missed 0, false alarms 0" in text and "lead times (steps): [5]" in text
     assert "(a) Plain and clipped objectives collapse as k grows: HELD" in text
     assert "(c) VCPO stays stable and matches synchronous accuracy up to k = 128: HELD only up to k = 8" in text
