@@ -113,24 +113,25 @@ def claims(cells: list[dict[str, Any]], evaluation: dict[str, Any], ks: list[int
         lines.append(f"(b) Collapse is preceded by a sharp ESS fall and an unstable gradient norm: "
                      f"{'HELD' if held else 'DID NOT HOLD'} on this grid (criterion: warned before >= 80% of "
                      f"collapses and in <= 20% of stable runs). Warned before {hits} of {n} collapses "
-                     f"(median lead {_fmt(evaluation['median_lead_steps'])} steps), missed {evaluation['misses']}, "
+                     f"(median lead {_fmt(evaluation['median_lead_steps'], 1)} steps), missed {evaluation['misses']}, "
                      f"false alarms in {evaluation['false_alarms']} of {quiet_total} runs that never collapsed.")
     vcpo = _by_arm_k([c for c in cells if c["arm"] == "vcpo"]).get("vcpo", {})
     if 0 not in vcpo or len(vcpo) < 2:
         lines.append("(c) VCPO stays stable and matches synchronous accuracy up to k = 128: NOT TESTED "
                      "(needs vcpo runs at k = 0 and at some k > 0).")
     else:
-        base = vcpo[0]
+        # "Synchronous accuracy": every arm's k = 0 runs (all on-policy, so alike up to noise), not only vcpo's.
+        sync = statistics.fmean(c["late_accuracy"] for c in cells if c["k"] == 0 and c["late_accuracy"] is not None)
         stable = not any(c["collapse_step"] is not None for c in cells if c["arm"] == "vcpo")
-        matched = all(acc >= base - MATCH_TOLERANCE for acc in vcpo.values())
+        matched = all(acc >= sync - MATCH_TOLERANCE for k, acc in vcpo.items() if k > 0)
         held = stable and matched
         verdict = "HELD" if held and 128 in ks else f"HELD only up to k = {max(ks)}" if held else "DID NOT HOLD"
         scope = "" if 128 in ks else " The grid has no k = 128, so the claim at k = 128 is untested."
         detail = ", ".join(f"k={k}: {acc:.3f}" for k, acc in vcpo.items())
         lines.append(f"(c) VCPO stays stable and matches synchronous accuracy up to k = 128: "
-                     f"{verdict} on this grid ({'no' if stable else 'some'} "
-                     f"vcpo run collapsed; late accuracy vs k=0 {base:.3f}, tolerance {MATCH_TOLERANCE}: "
-                     f"{detail}).{scope}")
+                     f"{verdict} on this grid ({'no' if stable else 'some'} vcpo run collapsed; synchronous "
+                     f"accuracy {sync:.3f} (late accuracy of every arm's k = 0 runs), tolerance {MATCH_TOLERANCE}; "
+                     f"vcpo's late accuracy {detail}).{scope}")
     vespo = [c for c in cells if c["arm"] == "vespo"]
     tested = sorted({c["k"] for c in vespo if 0 < c["k"] <= 64})
     if not tested:
