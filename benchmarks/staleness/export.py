@@ -1,8 +1,8 @@
 """Copy a finished `vcpo sweep` directory into the repository without its checkpoints.
 
 Keeps sweep.json, results.jsonl and, per cell, config.yaml, summary.json and the metrics that
-`vcpo report` reads (step, held-out accuracy, reward, ESS ratio, grad norm, learning-rate scale,
-staleness), so that `vcpo report OUT_DIR` regenerates the committed report from the committed files:
+`vcpo report` reads (step, held-out accuracy, reward, ESS ratio, grad norm; floats to five
+significant digits), so that `vcpo report OUT_DIR` regenerates the report from the committed files:
 
     python benchmarks/staleness/export.py runs/sweep_full benchmarks/staleness/full
     vcpo report benchmarks/staleness/full
@@ -17,8 +17,7 @@ from pathlib import Path
 
 from vcpo.metrics import read_metrics
 
-KEPT = ("step", "eval/accuracy", "eval/accuracy_initial", "reward/mean", "ess/ratio", "grad_norm", "lr_scale",
-        "staleness/mean", "staleness/max", "time/step_s")
+KEPT = ("step", "eval/accuracy", "eval/accuracy_initial", "reward/mean", "ess/ratio", "grad_norm")
 
 
 def export(sweep_dir: Path, out_dir: Path) -> int:
@@ -34,7 +33,9 @@ def export(sweep_dir: Path, out_dir: Path) -> int:
         dest.mkdir(parents=True, exist_ok=True)
         for name in ("config.yaml", "summary.json"):
             shutil.copy2(cell / name, dest / name)
-        lines = ({k: r[k] for k in KEPT if k in r} for r in read_metrics(cell / "metrics.jsonl"))
+        # Five significant digits: the report prints three decimals.
+        lines = ({k: float(f"{r[k]:.5g}") if isinstance(r[k], float) else r[k] for k in KEPT if k in r}
+                 for r in read_metrics(cell / "metrics.jsonl"))
         (dest / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return len(cells)
 

@@ -265,7 +265,7 @@ def write_report(sweep_dir: str | Path) -> Path:
         _accuracy_vs_k(cells, sweep_dir / "accuracy_vs_k.png"),
         _curves(cells, "eval/accuracy", "Held-out accuracy", sweep_dir / "accuracy_curves.png"),
         _curves(cells, "reward/mean", "Training reward (10-step mean)", sweep_dir / "reward_curves.png", smooth=10),
-        _curves(cells, "ess/ratio", "ESS ratio", sweep_dir / "ess_curves.png"),
+        _curves(cells, "ess/ratio", "ESS ratio (10-step mean)", sweep_dir / "ess_curves.png", smooth=10),
         _curves(cells, "grad_norm", "Gradient norm (before clipping)", sweep_dir / "grad_norm_curves.png", log_y=True),
     ]
     out += [f"![{p.stem}]({p.name})" for p in figures]
