@@ -12,7 +12,9 @@ for each; the last line is ``vcpo_fast/grpo step-time ratio: X.XX``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import multiprocessing
 import statistics
 import threading
 import time
@@ -134,6 +136,7 @@ class PeakMemory:
 
 
 def measure(s: Setup, device: str, repeats: int, warmup: int) -> dict[str, dict[str, float]]:
+    """Median and min step time per arm, round-robin on one batch; on CUDA also the allocator's peak."""
     model = build_model(s, device)
     batch = build_batch(s, model, device)
     learners = {arm: Learner(copy.deepcopy(model), load_config(None, overrides)) for arm, overrides in ARMS.items()}
@@ -141,7 +144,8 @@ def measure(s: Setup, device: str, repeats: int, warmup: int) -> dict[str, dict[
     peaks: dict[str, float] = dict.fromkeys(ARMS, 0.0)
     for i in range(warmup + repeats):
         for arm, learner in learners.items():  # round-robin: drift hits every arm alike
-            with PeakMemory(device) as mem:
+            mem = PeakMemory(device) if device == "cuda" else contextlib.nullcontext()
+            with mem:
                 t0 = time.perf_counter()
                 learner.step(batch)
                 if device == "cuda":
@@ -149,9 +153,36 @@ def measure(s: Setup, device: str, repeats: int, warmup: int) -> dict[str, dict[
                 dt = time.perf_counter() - t0
             if i >= warmup:
                 times[arm].append(dt)
-                peaks[arm] = max(peaks[arm], mem.mib)
+                if device == "cuda":
+                    peaks[arm] = max(peaks[arm], mem.mib)
     return {arm: {"median_s": statistics.median(t), "min_s": min(t), "peak_mib": peaks[arm]}
             for arm, t in times.items()}
+
+
+def _cpu_peak_rise(s: Setup, arm: str, threads: int) -> float:
+    """MiB: the RSS rise of one learner step (after two warm-up steps), run in its own process."""
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+    model = build_model(s, "cpu")
+    batch = build_batch(s, model, "cpu")
+    learner = Learner(model, load_config(None, ARMS[arm]))
+    for _ in range(2):
+        learner.step(batch)
+    with PeakMemory("cpu") as mem:
+        learner.step(batch)
+    return mem.mib
+
+
+def cpu_peak_memory(s: Setup, threads: int) -> dict[str, float]:
+    """Each arm's step working set on the CPU, measured apart from the timings: in a forked process that keeps
+    glibc's default allocator, which returns large freed blocks, so the RSS rise during a step is what the step
+    allocates (the timing process keeps freed memory for reuse, so its RSS would not move)."""
+    ctx = multiprocessing.get_context("fork")
+    result = {}
+    for arm in ARMS:
+        with ctx.Pool(1) as pool:
+            result[arm] = pool.apply(_cpu_peak_rise, (s, arm, threads))
+    return result
 
 
 def main() -> None:
@@ -162,15 +193,19 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU")
     args = ap.parse_args()
-    configure_cpu(args.threads)  # threads, flushed denormals, allocator: as the trainer does
     names = (args.setups or ("default" if args.quick else "default,large")).split(",")
     repeats = args.repeats or (7 if args.quick else 15)
+    # Memory first, in forked processes that keep the default allocator (see cpu_peak_memory).
+    memory = {name: cpu_peak_memory(SETUPS[name], args.threads) for name in names} if args.device == "cpu" else {}
+    configure_cpu(args.threads)  # threads, flushed denormals, allocator: as the trainer does
     print(f"device={args.device} threads={args.threads} torch={torch.__version__} repeats={repeats}")
     ratio = None
     for name in names:
         s = SETUPS[name]
         params = sum(p.numel() for p in build_model(s, "cpu").parameters())
         res = measure(s, args.device, repeats, warmup=2)
+        for arm, mib in memory.get(name, {}).items():
+            res[arm]["peak_mib"] = mib
         print(f"\nsetup {name}: {params / 1e6:.2f}M params, B={s.prompts * s.group}, "
               f"prompt {s.prompt_len}, response <= {s.response_len}")
         print(f"{'arm':<12}{'median step (s)':>17}{'min (s)':>10}{'peak mem (MiB)':>16}{'x grpo':>9}")
