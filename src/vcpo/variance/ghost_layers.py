@@ -58,12 +58,25 @@ def module_kind(module: nn.Module) -> str | None:
     return None
 
 
-def _hf_rms_x_hat(module: nn.Module, x: Tensor, output: Tensor) -> Tensor:
+@dataclass
+class ScaledOutput:
+    """A norm's x_hat kept as ``output / scale`` without materialising it: the per-row weight gradient
+    ``sum_n g_n * x_hat_n`` is ``(sum_n g_n * output_n) / scale``, one division per row instead of per token."""
+
+    output: Tensor
+    scale: Tensor
+
+    @property
+    def _version(self) -> int:
+        return self.output._version
+
+
+def _hf_rms_saved(module: nn.Module, x: Tensor, output: Tensor) -> Tensor | ScaledOutput:
     """x_hat of a Hugging Face RMSNorm (float32 statistics, cast back), verified against the module's own output.
 
     The formula is the class's, not the data's, so it is checked on the first row only; then x_hat is the output
-    divided by the scale (one pass over the activations instead of recomputing the statistics) unless the scale
-    has an entry near zero, where the division cannot recover it.
+    over the scale (nothing recomputed) unless the scale has an entry near zero or the output is half precision,
+    where x_hat is recomputed.
     """
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
 
@@ -78,14 +91,14 @@ def _hf_rms_x_hat(module: nn.Module, x: Tensor, output: Tensor) -> Tensor:
         if torch.allclose(output[:1], (scale * x_hat_row).to(output.dtype), rtol=tol, atol=tol):
             # A near-zero scale entry (or a flushed denormal product) cannot be divided back out.
             if output.dtype in (torch.float32, torch.float64) and float(scale.detach().abs().min()) > 1e-6:
-                return (output / scale.to(output.dtype)).to(x.dtype)
+                return ScaledOutput(output.detach(), scale.detach().to(output.dtype))
             return recompute(x)
     raise NotImplementedError(
         f"{type(module).__name__} is not y = weight * rms_normalised(x); fast grad norms cannot handle it"
     )
 
 
-def save_activation(kind: str, module: nn.Module, x: Tensor, output: Tensor) -> Tensor:
+def save_activation(kind: str, module: nn.Module, x: Tensor, output: Tensor) -> Tensor | ScaledOutput:
     """What the per-row gradient rule of ``kind`` needs from the forward: the input, or the normalised input."""
     with torch.no_grad():
         if kind == "layer_norm":
@@ -93,7 +106,7 @@ def save_activation(kind: str, module: nn.Module, x: Tensor, output: Tensor) -> 
         if kind == "rms_norm":
             return F.rms_norm(x, module.normalized_shape, eps=module.eps)
         if kind == "hf_rms_norm":
-            return _hf_rms_x_hat(module, x, output)
+            return _hf_rms_saved(module, x, output)
     return x.detach()
 
 
@@ -106,7 +119,7 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     return dtype
 
 
-def call_terms(kind: str, module: nn.Module, saved: Tensor, grad_out: Tensor) -> dict[str, Term]:
+def call_terms(kind: str, module: nn.Module, saved: Tensor | ScaledOutput, grad_out: Tensor) -> dict[str, Term]:
     """Per-row gradient terms of one call of ``module``, by parameter attribute name (trainable ones only)."""
     B = grad_out.shape[0]
     terms: dict[str, Term] = {}
@@ -125,11 +138,15 @@ def call_terms(kind: str, module: nn.Module, saved: Tensor, grad_out: Tensor) ->
             g_BND = g_BND.masked_fill((ids_BN == module.padding_idx)[..., None], 0.0)
         terms["weight"] = MatrixTerm(ids_BN, g_BND)
     else:  # norms: dy/dweight = x_hat elementwise, dy/dbias = 1.
+        x_hat = saved.output if isinstance(saved, ScaledOutput) else saved
         for name in want:
             numel = getattr(module, name).numel()
-            grad = grad_out.to(_compute_dtype(grad_out, saved))
-            per_token = grad * saved if name == "weight" else grad
-            terms[name] = VectorTerm(per_token.reshape(B, -1, numel).sum(1))
+            grad = grad_out.to(_compute_dtype(grad_out, x_hat))
+            per_token = grad * x_hat if name == "weight" else grad
+            per_row = per_token.reshape(B, -1, numel).sum(1)
+            if name == "weight" and isinstance(saved, ScaledOutput):
+                per_row = per_row / saved.scale.reshape(-1).to(per_row.dtype)
+            terms[name] = VectorTerm(per_row)
     return terms
 
 

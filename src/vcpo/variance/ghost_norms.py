@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from vcpo.variance import ghost_layers
 from vcpo.variance.ghost_layers import (
+    ScaledOutput,
     Term,
     _compute_dtype,
     call_terms,
@@ -38,7 +39,7 @@ from vcpo.variance.grad_norms import _check_token_tensors, token_logprobs
 class _Call:
     module: nn.Module
     kind: str
-    saved: Tensor
+    saved: Tensor | ScaledOutput
     output: Tensor
     versions: tuple[int, int]
 
