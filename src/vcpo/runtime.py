@@ -16,7 +16,8 @@ def keep_freed_memory() -> bool:
     PyTorch has no caching allocator on the CPU: every activation is a fresh malloc. With glibc's defaults,
     blocks of a megabyte or more are mmap'ed and unmapped on free, so each step page-faults its working set
     back in; a step that keeps more activations alive (the fast OPOB capture) pays it most. Measured on the
-    2-core VM, default model: the fast VCPO learner step went from about 1.25x to 1.19x a GRPO step with it.
+    2-core VM (default model, thread time, with other jobs running): the fast VCPO learner step went from
+    about 1.25x to 1.19x a GRPO step with it.
     A no-op (False) off Linux/glibc. The price: the process keeps its peak heap instead of shrinking.
     """
     if not sys.platform.startswith("linux"):
