@@ -317,3 +317,35 @@ def shared_weighted_grads(items: list[tuple[nn.Parameter, MatrixTerm]], coef_B: 
             right = scale(t.right_BNC, kr, dtype)
         grads.append((left.T @ right).to(param.dtype))
     return grads
+
+
+def total_sq_norms(items: list[tuple[nn.Parameter, list[Term]]], n_rows: int, device: torch.device) -> Tensor:
+    """[B] float64 sum over parameters of each row's squared gradient norm. Dense weights whose token Gram is
+    the cheaper form are pooled, so that a factor several weights share gets one Gram."""
+    total_B = torch.zeros(n_rows, dtype=torch.float64, device=device)
+    pooled: dict[torch.dtype, list[MatrixTerm]] = {}
+    for param, terms in items:
+        term = dense_single_term(param, terms)
+        if term is not None and prefer_gram(term.right_BNC.shape[1], *param.shape):
+            pooled.setdefault(_compute_dtype(param, term.left, term.right_BNC), []).append(term)
+        else:
+            total_B += sq_norms(param, terms)
+    for dtype, terms in pooled.items():
+        total_B += shared_gram_sq_norms(terms, dtype).double()
+    return total_B
+
+
+def weighted_grads(
+    items: list[tuple[nn.Parameter, list[Term]]], coef_B: Tensor
+) -> list[tuple[nn.Parameter, Tensor]]:
+    """``(param, sum_b coef_b grad_b)`` for every parameter; dense single-term weights share scaled factors."""
+    dense: list[tuple[nn.Parameter, MatrixTerm]] = []
+    result: list[tuple[nn.Parameter, Tensor]] = []
+    for param, terms in items:
+        term = dense_single_term(param, terms)
+        if term is None:
+            result.append((param, weighted_grad(param, terms, coef_B)))
+        else:
+            dense.append((param, term))
+    result += zip((param for param, _ in dense), shared_weighted_grads(dense, coef_B), strict=True)
+    return result

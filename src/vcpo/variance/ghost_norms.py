@@ -18,19 +18,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from vcpo.variance import ghost_layers
 from vcpo.variance.ghost_layers import (
     ScaledOutput,
     Term,
-    _compute_dtype,
     call_terms,
-    dense_single_term,
     module_kind,
     save_activation,
-    shared_gram_sq_norms,
-    shared_weighted_grads,
-    sq_norms,
-    weighted_grad,
+    total_sq_norms,
+    weighted_grads,
 )
 from vcpo.variance.grad_norms import _check_token_tensors, token_logprobs
 
@@ -61,17 +56,7 @@ class PerRowGradCapture:
 
         Computed once and kept: the captured factors do not change."""
         if self._sq_norms_B is None:
-            total_B = torch.zeros(self.logprobs_BT.shape[0], dtype=torch.float64, device=self.logprobs_BT.device)
-            by_gram: dict[torch.dtype, list] = {}  # dense weights whose token Gram is cheaper, pooled to share Grams
-            for param, terms in self.terms:
-                term = dense_single_term(param, terms)
-                if term is not None and ghost_layers.prefer_gram(term.right_BNC.shape[1], *param.shape):
-                    by_gram.setdefault(_compute_dtype(param, term.left, term.right_BNC), []).append(term)
-                else:
-                    total_B = total_B + sq_norms(param, terms)
-            for dtype, pooled in by_gram.items():
-                total_B = total_B + shared_gram_sq_norms(pooled, dtype).double()
-            self._sq_norms_B = total_B
+            self._sq_norms_B = total_sq_norms(self.terms, self.logprobs_BT.shape[0], self.logprobs_BT.device)
         return self._sq_norms_B
 
     def accumulate_grad(self, coef_B: Tensor) -> None:
@@ -82,12 +67,7 @@ class PerRowGradCapture:
         """
         if coef_B.shape != self.logprobs_BT.shape[:1]:
             raise ValueError(f"coef_B {tuple(coef_B.shape)} must have one entry per row ({self.logprobs_BT.shape[0]})")
-        coef_B = coef_B.detach()
-        dense = [(param, term) for param, terms in self.terms if (term := dense_single_term(param, terms))]
-        grads = zip(dense, shared_weighted_grads(dense, coef_B), strict=True)
-        others = ((param, weighted_grad(param, terms, coef_B)) for param, terms in self.terms
-                  if dense_single_term(param, terms) is None)
-        for param, grad in [*((p, g) for (p, _), g in grads), *others]:
+        for param, grad in weighted_grads(self.terms, coef_B.detach()):
             if param.grad is None:
                 param.grad = grad
             else:
