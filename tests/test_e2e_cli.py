@@ -103,7 +103,9 @@ def test_fresh_run_refuses_a_directory_holding_another_run(tmp_path, tiny):
 
 
 def test_missing_model_path_is_one_clear_error(tmp_path):
-    proc = vcpo("train", "-c", "configs/quickstart.yaml", f"model.path={tmp_path / 'nope'}", check=False)
+    # A fresh run_dir: the checkout may hold a finished demo run in the config's default one.
+    proc = vcpo("train", "-c", "configs/quickstart.yaml", f"model.path={tmp_path / 'nope'}",
+                f"run_dir={tmp_path / 'run'}", check=False)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "nope" in lines[0], proc.stderr

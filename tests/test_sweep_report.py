@@ -99,7 +99,7 @@ def test_evaluate_warnings_counts_by_hand():
 # ---------------------------------------------------------------- synthetic runs
 
 
-def _write_cell(run_dir, arm, k, seed, accs, ess=0.9, collapse_from=None):
+def _write_cell(run_dir, arm, k, seed, accs, ess=0.9, collapse_from=None, learner_s=None):
     """A fake finished cell: 40 steps, evaluations every 10, optional ESS/grad blow-up from a step on."""
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -107,6 +107,8 @@ def _write_cell(run_dir, arm, k, seed, accs, ess=0.9, collapse_from=None):
         bad = collapse_from is not None and step >= collapse_from
         line = {"step": step, "reward/mean": 0.1 if bad else 0.4, "ess/ratio": 0.05 if bad else ess,
                 "grad_norm": 50.0 if bad else 1.0, "time/step_s": 0.1}
+        if learner_s is not None:
+            line["time/learner_s"] = learner_s[step % len(learner_s)]
         if step == 1:
             line["eval/accuracy_initial"] = accs[0]
         if step % 10 == 0:
@@ -179,6 +181,7 @@ def test_write_report_tables_claims_and_figures(tmp_path):
     assert "(c) VCPO stays stable and matches synchronous accuracy up to k = 128: HELD only up to k = 8" in text
     assert "The grid has no k = 128" in text and "vcpo_k32_s0" in text
     assert "(d) VESPO stays stable up to 64x staleness: NOT TESTED" in text
+    assert "## Learner step time" not in text  # none recorded
     for name in ("accuracy_vs_k", "accuracy_curves", "reward_curves", "ess_curves", "grad_norm_curves"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ReportError, match="not a sweep directory"):
@@ -206,3 +209,13 @@ def test_report_evaluates_the_detector_on_held_out_seeds(tmp_path):
     assert "warned before collapse 1, missed 0, false alarms 1" in text
     assert ("On seed 1 alone (the detector was revised after inspecting seed-0 cells, so these are its held-out "
             "runs): cells 1, collapsed 0, warned before collapse 0, missed 0, false alarms 1") in text
+
+
+def test_report_tables_learner_step_time_when_recorded(tmp_path):
+    cells = tmp_path / "cells"
+    _write_cell(cells / "grpo_k0_s0", "grpo", 0, 0, [0.3, 0.3, 0.3, 0.3, 0.3], learner_s=[0.1, 0.2, 0.3])
+    _write_cell(cells / "grpo_k0_s1", "grpo", 0, 1, [0.3, 0.3, 0.3, 0.3, 0.3], learner_s=[0.3, 0.4, 0.5])
+    _write_cell(cells / "vcpo_k0_s0", "vcpo", 0, 0, [0.3, 0.3, 0.3, 0.3, 0.3], learner_s=[0.25])
+    table = write_report(tmp_path).read_text().split("## Learner step time")[1]
+    assert "| grpo | 0.300 |" in table  # medians 0.2 and 0.4 per seed, their mean
+    assert "| vcpo | 0.250 |" in table

@@ -1,8 +1,8 @@
 """Copy a finished `vcpo sweep` directory into the repository without its checkpoints.
 
 Keeps sweep.json, results.jsonl and, per cell, config.yaml, summary.json and the metrics that
-`vcpo report` reads (step, held-out accuracy, reward, ESS ratio, grad norm; floats to five
-significant digits), so that `vcpo report OUT_DIR` regenerates the report from the committed files:
+`vcpo report` reads (step, held-out accuracy, reward, ESS ratio, grad norm, learner step time;
+floats to five significant digits), so that `vcpo report OUT_DIR` regenerates the report from the committed files:
 
     python benchmarks/staleness/export.py runs/sweep_full benchmarks/staleness/full
     vcpo report benchmarks/staleness/full
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from vcpo.metrics import read_metrics
 
-KEPT = ("step", "eval/accuracy", "eval/accuracy_initial", "reward/mean", "ess/ratio", "grad_norm")
+KEPT = ("step", "eval/accuracy", "eval/accuracy_initial", "reward/mean", "ess/ratio", "grad_norm", "time/learner_s")
 
 
 def export(sweep_dir: Path, out_dir: Path) -> int:

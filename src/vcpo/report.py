@@ -43,6 +43,7 @@ def summarize_cell(run_dir: Path) -> dict[str, Any]:
     steps, accs = eval_series(records)
     ess = [r["ess/ratio"] for r in records if isinstance(r.get("ess/ratio"), int | float)]
     rewards = [r["reward/mean"] for r in records if isinstance(r.get("reward/mean"), int | float)]
+    learner_s = [r["time/learner_s"] for r in records if isinstance(r.get("time/learner_s"), int | float)]
     warnings = warning_steps(records)
     return {
         "initial_accuracy": summary["initial_accuracy"], "final_accuracy": summary["final_accuracy"],
@@ -51,6 +52,7 @@ def summarize_cell(run_dir: Path) -> dict[str, Any]:
         "late_reward": statistics.fmean(rewards[-LATE_REWARD_STEPS:]) if rewards else None,
         "warning_steps": warnings, "first_warning_step": warnings[0] if warnings else None,
         "mean_ess_ratio": statistics.fmean(ess) if ess else None, "wall_time_s": summary["wall_time_s"],
+        "learner_step_s": statistics.median(learner_s) if learner_s else None,
         "steps": summary["steps"],
     }
 
@@ -250,11 +252,18 @@ def write_report(sweep_dir: str | Path) -> Path:
         ("late_accuracy", f"Late held-out accuracy (mean of the last {LATE_EVALS} evaluations), mean over seeds"),
         ("late_reward", f"Training reward (mean of the last {LATE_REWARD_STEPS} steps), mean over seeds"),
         ("mean_ess_ratio", "ESS ratio (mean over the run), mean over seeds"),
+        ("learner_step_s", "Learner step time (s, median over the run's steps), mean over seeds"),
     ):
-        out += ["", f"## {title}", "", "| arm | " + " | ".join(f"k={k}" for k in ks) + " |",
-                "|---" * (len(ks) + 1) + "|"]
-        out += [f"| {arm} | " + " | ".join(_fmt(by_k.get(k)) for k in ks) + " |"
-                for arm, by_k in _by_arm_k(cells, key).items()]
+        table = _by_arm_k(cells, key)
+        if not table:  # e.g. step times not recorded or not exported
+            continue
+        out += ["", f"## {title}", ""]
+        if key == "learner_step_s":
+            out += ["Wall clock of one `Learner.step` (forward, backward, per-row norms where the method needs "
+                    "them, optimizer) on the cells' real batches, with as many cells at a time as the command's "
+                    "`--workers` (all arms alike).", ""]
+        out += ["| arm | " + " | ".join(f"k={k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
+        out += [f"| {arm} | " + " | ".join(_fmt(by_k.get(k)) for k in ks) + " |" for arm, by_k in table.items()]
     out += ["", "## Early warning", "",
             f"Cells {evaluation['cells']}, collapsed {evaluation['collapsed']}, warned before collapse "
             f"{evaluation['hits']}, missed {evaluation['misses']}, false alarms {evaluation['false_alarms']}, "
