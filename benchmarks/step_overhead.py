@@ -7,6 +7,7 @@ the last line is ``vcpo_fast/grpo step-time ratio: X.XX`` (the ratio of the medi
 
     python benchmarks/step_overhead.py            # default model + a larger random configuration
     python benchmarks/step_overhead.py --quick    # fewer repeats, under 2 minutes on 2 CPU cores
+    python benchmarks/step_overhead.py --setups default --equal-reward-groups 0.5   # training-like rewards
     python benchmarks/step_overhead.py --device cuda --setups large,xl   # on a GPU
 """
 
@@ -74,19 +75,26 @@ def build_model(s: Setup, device: str) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg).to(device).eval()
 
 
-def build_batch(s: Setup, model: torch.nn.Module, device: str) -> Batch:
+def build_batch(s: Setup, model: torch.nn.Module, device: str, equal_groups: float = 0.0) -> Batch:
     """A batch with varied response lengths, 0/1 rewards and stale behavior log-probs: the model's own
     log-probs plus N(0, 0.3) per token, so sequence weights spread around 1 as they do after a few
-    policy versions (log-probs unrelated to the model would put every weight at the clamp floor)."""
+    policy versions (log-probs unrelated to the model would put every weight at the clamp floor).
+
+    Rewards are fair coin flips, so nearly every group has differing rewards and every row needs its
+    OPOB norm (the worst case); ``equal_groups`` is the fraction of groups given equal rewards instead
+    (all 0 or all 1, alternately), as in training batches, where about half the groups are."""
     g = torch.Generator().manual_seed(1)
+    n_equal = round(equal_groups * s.prompts)
     trajectories = []
     for i in range(s.prompts * s.group):
         r_len = int(torch.randint(max(1, s.response_len // 2), s.response_len + 1, (1,), generator=g))
         prompt = torch.randint(3, s.vocab, (s.prompt_len,), generator=g).tolist()
         response = torch.randint(3, s.vocab, (r_len,), generator=g).tolist()
         blp = (-3 * torch.rand(r_len, generator=g)).tolist()
-        trajectories.append(Trajectory("u", i // s.group, prompt, response, blp, [0] * r_len,
-                                       float(torch.rand(1, generator=g) > 0.5), True, SamplingParams()))
+        coin = float(torch.rand(1, generator=g) > 0.5)
+        reward = float((i // s.group) % 2) if i // s.group < n_equal else coin
+        trajectories.append(Trajectory("u", i // s.group, prompt, response, blp, [0] * r_len, reward, True,
+                                       SamplingParams()))
     b = Batch.from_trajectories(trajectories, pad_id=0)
     b = Batch(**{k: v.to(device) for k, v in b.__dict__.items()})
     with torch.no_grad():
@@ -136,10 +144,10 @@ class PeakMemory:
         return (self.peak - self.base) / 2**20
 
 
-def measure(s: Setup, device: str, repeats: int, warmup: int) -> dict[str, dict[str, float]]:
+def measure(s: Setup, device: str, repeats: int, warmup: int, equal_groups: float) -> dict[str, dict[str, float]]:
     """Median and min step time per arm, round-robin on one batch; on CUDA also the allocator's peak."""
     model = build_model(s, device)
-    batch = build_batch(s, model, device)
+    batch = build_batch(s, model, device, equal_groups)
     learners = {arm: Learner(copy.deepcopy(model), load_config(None, overrides)) for arm, overrides in ARMS.items()}
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     peaks: dict[str, float] = dict.fromkeys(ARMS, 0.0)
@@ -162,12 +170,12 @@ def measure(s: Setup, device: str, repeats: int, warmup: int) -> dict[str, dict[
             for arm, t in times.items()}
 
 
-def _cpu_peak_rise(s: Setup, arm: str, threads: int) -> float:
+def _cpu_peak_rise(s: Setup, arm: str, threads: int, equal_groups: float) -> float:
     """MiB: the RSS rise of one learner step (after two warm-up steps), run in its own process."""
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
     model = build_model(s, "cpu")
-    batch = build_batch(s, model, "cpu")
+    batch = build_batch(s, model, "cpu", equal_groups)
     learner = Learner(model, load_config(None, ARMS[arm]))
     for _ in range(2):
         learner.step(batch)
@@ -176,7 +184,7 @@ def _cpu_peak_rise(s: Setup, arm: str, threads: int) -> float:
     return mem.mib
 
 
-def cpu_peak_memory(s: Setup, threads: int) -> dict[str, float]:
+def cpu_peak_memory(s: Setup, threads: int, equal_groups: float) -> dict[str, float]:
     """Each arm's step working set on the CPU, measured apart from the timings: in a forked process that keeps
     glibc's default allocator, which returns large freed blocks, so the RSS rise during a step is what the step
     allocates (the timing process keeps freed memory for reuse, so its RSS would not move)."""
@@ -184,7 +192,7 @@ def cpu_peak_memory(s: Setup, threads: int) -> dict[str, float]:
     result = {}
     for arm in ARMS:
         with ctx.Pool(1) as pool:
-            result[arm] = pool.apply(_cpu_peak_rise, (s, arm, threads))
+            result[arm] = pool.apply(_cpu_peak_rise, (s, arm, threads, equal_groups))
     return result
 
 
@@ -195,18 +203,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU")
+    ap.add_argument("--equal-reward-groups", type=float, default=0.0, metavar="FRACTION",
+                    help="fraction of groups with equal rewards, whose rows need no OPOB norm (default 0: every "
+                         "row needs one; the staleness study's training batches had about 0.5)")
     args = ap.parse_args()
+    if not 0.0 <= args.equal_reward_groups <= 1.0:
+        ap.error(f"--equal-reward-groups must be in [0, 1], got {args.equal_reward_groups}")
+    eq = args.equal_reward_groups
     names = (args.setups or ("default" if args.quick else "default,large")).split(",")
     repeats = args.repeats or (7 if args.quick else 15)
     # Memory first, in forked processes that keep the default allocator (see cpu_peak_memory).
-    memory = {name: cpu_peak_memory(SETUPS[name], args.threads) for name in names} if args.device == "cpu" else {}
+    memory = {name: cpu_peak_memory(SETUPS[name], args.threads, eq) for name in names} if args.device == "cpu" else {}
     configure_cpu(args.threads)  # threads, flushed denormals, allocator: as the trainer does
-    print(f"device={args.device} threads={args.threads} torch={torch.__version__} repeats={repeats}")
+    print(f"device={args.device} threads={args.threads} torch={torch.__version__} repeats={repeats} "
+          f"equal-reward groups={eq:g}")
     ratio = None
     for name in names:
         s = SETUPS[name]
         params = sum(p.numel() for p in build_model(s, "cpu").parameters())
-        res = measure(s, args.device, repeats, warmup=2)
+        res = measure(s, args.device, repeats, warmup=2, equal_groups=eq)
         for arm, mib in memory.get(name, {}).items():
             res[arm]["peak_mib"] = mib
         print(f"\nsetup {name}: {params / 1e6:.2f}M params, B={s.prompts * s.group}, "

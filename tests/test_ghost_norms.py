@@ -63,6 +63,22 @@ def test_fast_matches_exact(which, dtype):
     assert rel_err(fast, exact) < TOLERANCE[dtype]
 
 
+def test_norms_of_selected_rows_only():
+    model = tiny("llama", F64, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
+    full, capture = per_row_grad_capture(model, INPUT_IDS, RESPONSE, ATTENTION)
+    for rows in (torch.tensor([False, True, True]), torch.tensor([2, 0])):
+        picked = per_row_grad_capture(model, INPUT_IDS, RESPONSE, ATTENTION, rows=rows)[0]
+        keep = torch.zeros(3, dtype=torch.bool)
+        keep[rows] = True
+        torch.testing.assert_close(picked[keep], full[keep], rtol=1e-12, atol=0)
+        assert (picked[~keep] == 0).all()
+        torch.testing.assert_close(capture.sq_norms(rows), picked, rtol=1e-12, atol=0)
+    assert (capture.sq_norms(torch.zeros(3, dtype=torch.bool)) == 0).all()
+    torch.testing.assert_close(capture.sq_norms(torch.ones(3, dtype=torch.bool)), full, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="bool mask must have shape"):
+        capture.sq_norms(torch.ones(2, dtype=torch.bool))
+
+
 @pytest.mark.parametrize("dtype", [F64, F32])
 def test_rms_norm_weight_with_zero_entries(dtype):
     # x_hat is the norm's output divided by its weight, except where a weight entry is (near) zero: recomputed.

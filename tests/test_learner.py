@@ -22,14 +22,14 @@ def tiny_llama(tie: bool = True) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def batch(seed: int = 0, stale: float = 0.5) -> Batch:
+def batch(seed: int = 0, stale: float = 0.5, rewards: list[float] | None = None) -> Batch:
     g = torch.Generator().manual_seed(seed)
     trajs = []
     for i in range(8):  # 2 groups of 4, prompts and responses of varied lengths
         p = torch.randint(3, 40, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
         r = torch.randint(3, 40, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
         blp = (-torch.rand(len(r), generator=g) * 3 - stale * torch.rand(len(r), generator=g)).tolist()
-        reward = float(torch.rand(1, generator=g) > 0.5)
+        reward = float(torch.rand(1, generator=g) > 0.5) if rewards is None else rewards[i]
         trajs.append(Trajectory("u", i // 4, p, r, blp, [0] * len(r), reward, True, SamplingParams()))
     return Batch.from_trajectories(trajs, pad_id=0)
 
@@ -52,6 +52,23 @@ def test_fast_opob_gradients_equal_exact(objective, second_backward, tie):
     assert m_fast["opob/grad_sq_norm_mean"] == pytest.approx(m_exact["opob/grad_sq_norm_mean"], rel=1e-4)
     for ge, gf in zip(exact, fast, strict=True):
         torch.testing.assert_close(gf, ge, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["fast", "exact"])
+def test_equal_reward_groups_skip_their_norms_and_the_gradient_is_unchanged(method, monkeypatch):
+    import vcpo.learner
+
+    cfg = load_config(None, ["objective.name=vcpo", "advantage.estimator=opob", f"advantage.grad_norm_method={method}"])
+    b = batch(rewards=[1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0])  # group 0 all equal: its rows need no G
+    skipping = Learner(tiny_llama(), cfg)
+    m_skip = skipping.backward(b)
+    monkeypatch.setattr(vcpo.learner, "opob_rows_needing_grad_norms", lambda r, g: torch.ones_like(r, dtype=torch.bool))
+    full = Learner(tiny_llama(), cfg)
+    m_full = full.backward(b)
+    assert m_skip["opob/grad_norm_rows_frac"] == 0.5 and m_full["opob/grad_norm_rows_frac"] == 1.0
+    assert m_skip["adv/abs_mean"] == m_full["adv/abs_mean"]
+    for gs, gf in zip(skipping.params, full.params, strict=True):
+        torch.testing.assert_close(gs.grad, gf.grad, rtol=1e-6, atol=1e-9)
 
 
 def test_ess_scaled_lr_is_set_for_the_step_and_restored():

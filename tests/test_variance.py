@@ -22,6 +22,7 @@ from vcpo.variance import (
     opo_advantages,
     opob_advantages,
     opob_baseline,
+    opob_rows_needing_grad_norms,
     rloo_advantages,
     sequence_log_weights,
     token_logprobs,
@@ -125,6 +126,31 @@ def test_opob_two_groups_by_hand():
     s2 = math.sqrt(2.0)
     a = opob_advantages(rewards, logw, g, group_ids)
     torch.testing.assert_close(a, t64([12 / (7 * s2), 0.5, -9 / (7 * s2), 12 / (7 * s2), -1.5]))
+
+
+def test_rows_needing_grad_norms_are_those_of_groups_whose_rewards_differ():
+    group_ids = ids([7, -3, 7, 2, -3, 2, 9])
+    rewards = t64([1.0, 0.0, 1.0, 0.5, 1.0, 0.25, 3.0])  # 7: equal; -3: differ; 2: differ; 9: a single row
+    expected = torch.tensor([False, True, False, True, True, True, False])
+    assert torch.equal(opob_rows_needing_grad_norms(rewards, group_ids), expected)
+    assert torch.equal(opob_rows_needing_grad_norms(rewards.float(), group_ids), expected)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["paper", "authors_code"]))
+def test_opob_advantages_ignore_the_norms_of_equal_reward_groups(seed, weighting):
+    # Binary rewards in groups of 4: zeroing G outside the needed rows changes no advantage, bit for bit.
+    g = torch.Generator().manual_seed(seed)
+    group_ids = torch.arange(6).repeat_interleave(4)
+    rewards = (torch.rand(24, generator=g) < 0.3).to(F64)
+    rewards[:4] = 1.0  # at least one group of equal rewards
+    logw = torch.randn(24, generator=g, dtype=F64) * 3
+    norms = torch.rand(24, generator=g, dtype=F64) * 10
+    needed = opob_rows_needing_grad_norms(rewards, group_ids)
+    assert not needed[:4].any()
+    full = opob_advantages(rewards, logw, norms, group_ids, weighting=weighting)
+    skipped = opob_advantages(rewards, logw, torch.where(needed, norms, 0.0), group_ids, weighting=weighting)
+    assert torch.equal(full, skipped) and (full[~needed] == 0).all()
 
 
 def test_opob_equal_weights_is_group_mean():

@@ -11,7 +11,8 @@ forward and backward yields G_i (ghost norms) and keeps what is needed to assemb
 respect to the log-probs is one coefficient per row (REINFORCE-form sequence weights: vcpo, tis
 and vespo with sequence advantages, reinforce), the final gradient is assembled from that single
 backward (ALGORITHMS.md §8, efficient form). Otherwise a second backward of ``sum c_it lp_it``
-supplies it.
+supplies it. Either way G_i is computed only for the rows of groups whose rewards differ: a group of
+equal rewards has advantage 0 whatever its G_i (``opob_rows_needing_grad_norms``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from vcpo.variance import (
     compute_advantages,
     ess_lr_scale,
     ess_ratio,
+    opob_rows_needing_grad_norms,
     sequence_log_weights,
     token_logprobs,
     trajectory_grad_sq_norms,
@@ -67,7 +69,8 @@ class Learner:
         temperature = self.config.rollout.temperature
         if self.single_backward:
             _, capture = per_row_grad_capture(
-                self.model, batch.input_ids_BS, batch.response_mask_BS, batch.attention_mask_BS, temperature
+                self.model, batch.input_ids_BS, batch.response_mask_BS, batch.attention_mask_BS, temperature,
+                rows=opob_rows_needing_grad_norms(batch.rewards_B, batch.group_ids_B),
             )
             return capture.logprobs_BT.detach().clone().requires_grad_(), None, capture
         lp_BS, entropy_BS = token_logprobs(
@@ -85,25 +88,37 @@ class Learner:
             adv = compute_advantages(ac.estimator, batch.rewards_B, batch.group_ids_B, lengths=lengths_B)
             return adv, {}
         metrics: dict[str, float] = {}
+        needed_B = opob_rows_needing_grad_norms(batch.rewards_B, batch.group_ids_B)
         if capture is not None:  # computed by the forward's capture
-            G_B = capture.sq_norms()
+            G_B = capture.sq_norms(needed_B)
         else:
             t0 = time.perf_counter()
-            G_B = trajectory_grad_sq_norms(
-                self.model, batch.input_ids_BS, batch.response_mask_BS, batch.attention_mask_BS,
-                method=ac.grad_norm_method,
-            )
+            G_B = torch.zeros(needed_B.shape, dtype=torch.float64, device=needed_B.device)
+            if bool(needed_B.any()):
+                G_B[needed_B] = trajectory_grad_sq_norms(
+                    self.model, batch.input_ids_BS[needed_B], batch.response_mask_BS[needed_B],
+                    batch.attention_mask_BS[needed_B], method=ac.grad_norm_method,
+                ).to(G_B.dtype)
             metrics["time/grad_norms_s"] = time.perf_counter() - t0
         adv = compute_advantages(
             "opob", batch.rewards_B, batch.group_ids_B, logw=logw_B, grad_sq_norms=G_B,
             weighting=ac.opob_weighting,
         )
-        return adv, metrics | {"opob/grad_sq_norm_mean": float(G_B.mean())}
+        metrics["opob/grad_norm_rows_frac"] = float(needed_B.float().mean())
+        if bool(needed_B.any()):  # G of the rows that have one
+            metrics["opob/grad_sq_norm_mean"] = float(G_B[needed_B].mean())
+        return adv, metrics
 
     def backward(self, batch: Batch) -> dict[str, float]:
         """Put grad_theta of the objective on ``batch`` into ``.grad``; returns the metrics so far."""
         # Eval mode: no dropout, so the recomputed log-probs are those of the policy that samples.
         self.model.eval()
+        if self.config.advantage.estimator == "opob":
+            # The rows that need OPOB norms first, so the fast norms read them as views (order is immaterial:
+            # every per-row quantity stays with its row and the loss and metrics are sums and quantiles).
+            needed_B = opob_rows_needing_grad_norms(batch.rewards_B, batch.group_ids_B)
+            if bool((needed_B[1:] & ~needed_B[:-1]).any()):  # a needed row after one that is not
+                batch = batch.rows(torch.argsort((~needed_B).to(torch.int8), stable=True))
         mask_BS = batch.response_mask_BS
         lp_BS, entropy_BS, capture = self.forward(batch)
         logw_B = sequence_log_weights(lp_BS, batch.behavior_logprobs_BS, mask_BS)

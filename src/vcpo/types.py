@@ -82,6 +82,10 @@ class Batch:
     def size(self) -> int:
         return int(self.input_ids_BS.shape[0])
 
+    def rows(self, index: Tensor) -> Batch:
+        """The batch of rows ``index`` (a 1-D index tensor), in that order."""
+        return Batch(**{name: value.index_select(0, index) for name, value in self.__dict__.items()})
+
     @classmethod
     def from_trajectories(cls, trajectories: list[Trajectory], pad_id: int) -> Batch:
         if not trajectories:

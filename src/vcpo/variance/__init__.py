@@ -9,7 +9,7 @@ from vcpo.variance.advantages import (
     opo_advantages,
     rloo_advantages,
 )
-from vcpo.variance.baselines import OPOB_WEIGHTINGS, opob_advantages, opob_baseline
+from vcpo.variance.baselines import OPOB_WEIGHTINGS, opob_advantages, opob_baseline, opob_rows_needing_grad_norms
 from vcpo.variance.ess import ess, ess_lr_scale, ess_ratio, sequence_log_weights
 from vcpo.variance.grad_norms import GRAD_SQ_NORM_METHODS, token_logprobs, trajectory_grad_sq_norms
 
@@ -26,6 +26,7 @@ __all__ = [
     "opo_advantages",
     "opob_advantages",
     "opob_baseline",
+    "opob_rows_needing_grad_norms",
     "rloo_advantages",
     "sequence_log_weights",
     "token_logprobs",

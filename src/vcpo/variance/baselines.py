@@ -100,6 +100,22 @@ def _opob_prepare(
     return rewards_B, inverse_B, n_groups, baseline_G
 
 
+def opob_rows_needing_grad_norms(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """[B] bool: the rows whose OPOB advantage depends on their ``G_i``, those of groups whose rewards differ.
+
+    In a group of equal rewards ``r`` every weighting gives ``b_g = r`` and ``Ahat_i = 0``, and so does the
+    mean-reward fallback that ``G_i = 0`` selects: such rows need no gradient norm (in training, about half
+    the groups of a step; ``reward/zero_var_group_frac``)."""
+    check_vectors(rewards=rewards, group_ids=group_ids)
+    inverse_B, n_groups = group_index(group_ids)
+    r_B = rewards.detach().to(float_dtype(rewards))
+    high_G = torch.full((n_groups,), -math.inf, dtype=r_B.dtype, device=r_B.device)
+    low_G = torch.full((n_groups,), math.inf, dtype=r_B.dtype, device=r_B.device)
+    high_G = high_G.scatter_reduce(0, inverse_B, r_B, reduce="amax")
+    low_G = low_G.scatter_reduce(0, inverse_B, r_B, reduce="amin")
+    return (high_G > low_G)[inverse_B]
+
+
 def opob_baseline(
     rewards: Tensor, logw: Tensor, grad_sq_norms: Tensor, group_ids: Tensor, *,
     weighting: str = "paper", cap: float = 8.0,

@@ -319,9 +319,37 @@ def shared_weighted_grads(items: list[tuple[nn.Parameter, MatrixTerm]], coef_B: 
     return grads
 
 
-def total_sq_norms(items: list[tuple[nn.Parameter, list[Term]]], n_rows: int, device: torch.device) -> Tensor:
-    """[B] float64 sum over parameters of each row's squared gradient norm. Dense weights whose token Gram is
-    the cheaper form are pooled, so that a factor several weights share gets one Gram."""
+def select_rows(items: list[tuple[nn.Parameter, list[Term]]], rows: Tensor) -> list[tuple[nn.Parameter, list[Term]]]:
+    """The terms of the batch rows ``rows`` only (an index tensor); a factor several terms share stays shared."""
+    picked: dict[tuple, Tensor] = {}
+    n = rows.numel()
+    # A run of consecutive rows is a view (the learner puts the rows that need norms first); others are copied.
+    start = int(rows[0]) if n else 0
+    consecutive = n > 0 and torch.equal(rows.cpu(), torch.arange(start, start + n))
+
+    def pick(x: Tensor) -> Tensor:
+        key = _factor_key(x)
+        if key not in picked:
+            picked[key] = x.narrow(0, start, n) if consecutive else x.index_select(0, rows)
+        return picked[key]
+
+    def restrict(t: Term) -> Term:
+        return VectorTerm(pick(t.grad_BP)) if isinstance(t, VectorTerm) else MatrixTerm(pick(t.left), pick(t.right_BNC))
+
+    return [(param, [restrict(t) for t in terms]) for param, terms in items]
+
+
+def total_sq_norms(
+    items: list[tuple[nn.Parameter, list[Term]]], n_rows: int, device: torch.device, rows: Tensor | None = None
+) -> Tensor:
+    """[B] float64 sum over parameters of each row's squared gradient norm; with ``rows`` (an index tensor),
+    those rows' norms and 0 elsewhere, at the cost of those rows only. Dense weights whose token Gram is the
+    cheaper form are pooled, so that a factor several weights share gets one Gram."""
+    if rows is not None:
+        total_B = torch.zeros(n_rows, dtype=torch.float64, device=device)
+        if rows.numel() > 0:
+            total_B[rows] = total_sq_norms(select_rows(items, rows), rows.numel(), device)
+        return total_B
     total_B = torch.zeros(n_rows, dtype=torch.float64, device=device)
     pooled: dict[torch.dtype, list[MatrixTerm]] = {}
     for param, terms in items:

@@ -49,15 +49,24 @@ class PerRowGradCapture:
 
     logprobs_BT: Tensor
     terms: list[tuple[nn.Parameter, list[Term]]] = field(repr=False)
-    _sq_norms_B: Tensor | None = field(default=None, init=False, repr=False)
+    _sq_norms_B: tuple[tuple[int, ...] | None, Tensor] | None = field(default=None, init=False, repr=False)
 
-    def sq_norms(self) -> Tensor:
+    def sq_norms(self, rows: Tensor | None = None) -> Tensor:
         """[B] float64 ``G_b = ||grad_theta score_b||^2`` summed over parameters (a tied weight counts once).
 
-        Computed once and kept: the captured factors do not change."""
-        if self._sq_norms_B is None:
-            self._sq_norms_B = total_sq_norms(self.terms, self.logprobs_BT.shape[0], self.logprobs_BT.device)
-        return self._sq_norms_B
+        With ``rows`` (a [B] bool mask or an index tensor) only those rows' norms are computed, at their cost
+        alone, and the others are 0. Computed once per ``rows`` and kept: the captured factors do not change."""
+        B = self.logprobs_BT.shape[0]
+        if rows is not None and rows.dtype == torch.bool:
+            if rows.shape != (B,):
+                raise ValueError(f"rows: a bool mask must have shape ({B},), got {tuple(rows.shape)}")
+            rows = rows.nonzero().squeeze(1)
+        if rows is not None and rows.numel() == B:
+            rows = None
+        key = None if rows is None else tuple(rows.tolist())
+        if self._sq_norms_B is None or self._sq_norms_B[0] != key:
+            self._sq_norms_B = (key, total_sq_norms(self.terms, B, self.logprobs_BT.device, rows))
+        return self._sq_norms_B[1]
 
     def accumulate_grad(self, coef_B: Tensor) -> None:
         """Adds ``sum_b coef_B[b] * grad_theta score_b`` to each parameter's ``.grad`` (created if None).
@@ -214,7 +223,7 @@ def _capture(
 
 def per_row_grad_capture(
     model: nn.Module, input_ids: Tensor, response_mask: Tensor, attention_mask: Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: float = 1.0, rows: Tensor | None = None,
 ) -> tuple[Tensor, PerRowGradCapture]:
     """``(G_B, capture)`` from one batched forward and one backward, with
 
@@ -225,14 +234,15 @@ def per_row_grad_capture(
     ``sum_b coef_b grad_theta score_b`` to the parameters' ``.grad``, and ``capture.logprobs_BT`` holds the
     forward's log-probs (logits divided by ``temperature``). The parameters' ``.grad`` are untouched until then.
     Supports nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm, Hugging Face RMSNorm classes and GPT-2's Conv1D;
-    a trainable parameter it cannot account for raises NotImplementedError naming it.
+    a trainable parameter it cannot account for raises NotImplementedError naming it. ``rows`` (a [B] bool mask
+    or indices) limits ``G_B`` to those rows, 0 elsewhere (see ``PerRowGradCapture.sq_norms``).
     """
     _check_token_tensors(input_ids, response_mask=response_mask, attention_mask=attention_mask)
     params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
     if not params:
         raise ValueError("per_row_grad_capture: the model has no trainable parameters (requires_grad)")
     capture = _capture(model, params, input_ids, response_mask, attention_mask, temperature)
-    return capture.sq_norms(), capture
+    return capture.sq_norms(rows), capture
 
 
 def ghost_grad_sq_norms(
