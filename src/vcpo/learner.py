@@ -58,8 +58,11 @@ class Learner:
         ac = self.config.advantage
         return ac.estimator == "opob" and ac.grad_norm_method == "fast"
 
-    def forward(self, batch: Batch) -> tuple[Tensor, Tensor | None, PerRowGradCapture | None]:
-        """[B, S] log-probs at the rollout temperature, their entropy, and the per-row capture.
+    def forward(
+        self, batch: Batch, needed_B: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None, PerRowGradCapture | None]:
+        """[B, S] log-probs at the rollout temperature, their entropy, and the per-row capture (whose norms
+        cover the rows ``needed_B``, all rows if None).
 
         Right-padded, no position ids: the engine passes explicit positions to its left-padded rows,
         so both see the same positions and the log-probs agree (the mismatch test). On the
@@ -70,7 +73,7 @@ class Learner:
         if self.single_backward:
             _, capture = per_row_grad_capture(
                 self.model, batch.input_ids_BS, batch.response_mask_BS, batch.attention_mask_BS, temperature,
-                rows=opob_rows_needing_grad_norms(batch.rewards_B, batch.group_ids_B),
+                rows=needed_B,
             )
             return capture.logprobs_BT.detach().clone().requires_grad_(), None, capture
         lp_BS, entropy_BS = token_logprobs(
@@ -79,16 +82,18 @@ class Learner:
         return lp_BS, entropy_BS, None
 
     def advantages(
-        self, batch: Batch, logw_B: Tensor, capture: PerRowGradCapture | None = None
+        self, batch: Batch, logw_B: Tensor, capture: PerRowGradCapture | None = None, needed_B: Tensor | None = None
     ) -> tuple[Tensor, dict[str, float]]:
-        """Per-sequence advantages by the configured estimator, with OPOB's inputs when it is chosen."""
+        """Per-sequence advantages by the configured estimator, with OPOB's inputs when it is chosen
+        (norms for the rows ``needed_B``, by default ``opob_rows_needing_grad_norms``)."""
         ac = self.config.advantage
         lengths_B = batch.response_mask_BS.sum(1)
         if ac.estimator != "opob":
             adv = compute_advantages(ac.estimator, batch.rewards_B, batch.group_ids_B, lengths=lengths_B)
             return adv, {}
         metrics: dict[str, float] = {}
-        needed_B = opob_rows_needing_grad_norms(batch.rewards_B, batch.group_ids_B)
+        if needed_B is None:
+            needed_B = opob_rows_needing_grad_norms(batch.rewards_B, batch.group_ids_B)
         if capture is not None:  # computed by the forward's capture
             G_B = capture.sq_norms(needed_B)
         else:
@@ -113,16 +118,18 @@ class Learner:
         """Put grad_theta of the objective on ``batch`` into ``.grad``; returns the metrics so far."""
         # Eval mode: no dropout, so the recomputed log-probs are those of the policy that samples.
         self.model.eval()
+        needed_B = None
         if self.config.advantage.estimator == "opob":
             # The rows that need OPOB norms first, so the fast norms read them as views (order is immaterial:
             # every per-row quantity stays with its row and the loss and metrics are sums and quantiles).
             needed_B = opob_rows_needing_grad_norms(batch.rewards_B, batch.group_ids_B)
             if bool((needed_B[1:] & ~needed_B[:-1]).any()):  # a needed row after one that is not
-                batch = batch.rows(torch.argsort((~needed_B).to(torch.int8), stable=True))
+                order = torch.argsort((~needed_B).to(torch.int8), stable=True)
+                batch, needed_B = batch.rows(order), needed_B[order]
         mask_BS = batch.response_mask_BS
-        lp_BS, entropy_BS, capture = self.forward(batch)
+        lp_BS, entropy_BS, capture = self.forward(batch, needed_B)
         logw_B = sequence_log_weights(lp_BS, batch.behavior_logprobs_BS, mask_BS)
-        adv_B, metrics = self.advantages(batch, logw_B, capture)
+        adv_B, metrics = self.advantages(batch, logw_B, capture, needed_B)
         inputs = ObjectiveInputs(
             logprobs=lp_BS, behavior_logprobs=batch.behavior_logprobs_BS, advantages=adv_B, mask=mask_BS,
             rewards=batch.rewards_B, group_ids=batch.group_ids_B,

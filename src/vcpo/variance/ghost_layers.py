@@ -325,7 +325,7 @@ def select_rows(items: list[tuple[nn.Parameter, list[Term]]], rows: Tensor) -> l
     n = rows.numel()
     # A run of consecutive rows is a view (the learner puts the rows that need norms first); others are copied.
     start = int(rows[0]) if n else 0
-    consecutive = n > 0 and torch.equal(rows.cpu(), torch.arange(start, start + n))
+    consecutive = n > 0 and torch.equal(rows, torch.arange(start, start + n, device=rows.device))
 
     def pick(x: Tensor) -> Tensor:
         key = _factor_key(x)
@@ -345,12 +345,11 @@ def total_sq_norms(
     """[B] float64 sum over parameters of each row's squared gradient norm; with ``rows`` (an index tensor),
     those rows' norms and 0 elsewhere, at the cost of those rows only. Dense weights whose token Gram is the
     cheaper form are pooled, so that a factor several weights share gets one Gram."""
+    total_B = torch.zeros(n_rows, dtype=torch.float64, device=device)
     if rows is not None:
-        total_B = torch.zeros(n_rows, dtype=torch.float64, device=device)
         if rows.numel() > 0:
             total_B[rows] = total_sq_norms(select_rows(items, rows), rows.numel(), device)
         return total_B
-    total_B = torch.zeros(n_rows, dtype=torch.float64, device=device)
     pooled: dict[torch.dtype, list[MatrixTerm]] = {}
     for param, terms in items:
         term = dense_single_term(param, terms)
