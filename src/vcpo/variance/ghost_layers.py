@@ -3,6 +3,7 @@ gradient of its parameters, the squared norms of those per-row gradients and the
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
@@ -71,12 +72,16 @@ class ScaledOutput:
         return self.output._version
 
 
+# The form each Hugging Face RMSNorm module was verified to compute: False for w * x_hat, True for (1 + w) * x_hat.
+_RMS_FORMS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
 def _hf_rms_saved(module: nn.Module, x: Tensor, output: Tensor) -> Tensor | ScaledOutput:
     """x_hat of a Hugging Face RMSNorm (float32 statistics, cast back), verified against the module's own output.
 
-    The formula is the class's, not the data's, so it is checked on the first row only; then x_hat is the output
-    over the scale (nothing recomputed) unless the scale has an entry near zero or the output is half precision,
-    where x_hat is recomputed.
+    The formula is the class's, not the data's, so it is checked on the first row of the module's first call
+    only (the check costs more than the rest); then x_hat is the output over the scale (nothing recomputed)
+    unless the scale has an entry near zero or the output is half precision, where x_hat is recomputed.
     """
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
 
@@ -84,18 +89,26 @@ def _hf_rms_saved(module: nn.Module, x: Tensor, output: Tensor) -> Tensor | Scal
         x32 = x.to(torch.float32)
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-    x_hat_row = recompute(x[:1])
-    tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(output.dtype, 2e-2)
-    # y = w * x_hat (Qwen2, Llama) and y = (1 + w) * x_hat (Gemma) share dy/dw = x_hat; anything else is refused.
-    for scale in (module.weight, 1.0 + module.weight.float()):
-        if torch.allclose(output[:1], (scale * x_hat_row).to(output.dtype), rtol=tol, atol=tol):
-            # A near-zero scale entry (or a flushed denormal product) cannot be divided back out.
-            if output.dtype in (torch.float32, torch.float64) and float(scale.detach().abs().min()) > 1e-6:
-                return ScaledOutput(output.detach(), scale.detach().to(output.dtype))
-            return recompute(x)
-    raise NotImplementedError(
-        f"{type(module).__name__} is not y = weight * rms_normalised(x); fast grad norms cannot handle it"
-    )
+    def scale_of(plus_one: bool) -> Tensor:
+        return 1.0 + module.weight.float() if plus_one else module.weight
+
+    if module not in _RMS_FORMS:
+        x_hat_row = recompute(x[:1])
+        tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(output.dtype, 2e-2)
+        # y = w * x_hat (Qwen2, Llama) and y = (1 + w) * x_hat (Gemma) share dy/dw = x_hat; anything else is refused.
+        for plus_one in (False, True):
+            if torch.allclose(output[:1], (scale_of(plus_one) * x_hat_row).to(output.dtype), rtol=tol, atol=tol):
+                _RMS_FORMS[module] = plus_one
+                break
+        else:
+            raise NotImplementedError(
+                f"{type(module).__name__} is not y = weight * rms_normalised(x); fast grad norms cannot handle it"
+            )
+    scale = scale_of(_RMS_FORMS[module]).detach()
+    # A near-zero scale entry (or a flushed denormal product) cannot be divided back out.
+    if output.dtype in (torch.float32, torch.float64) and float(scale.abs().min()) > 1e-6:
+        return ScaledOutput(output.detach(), scale.to(output.dtype))
+    return recompute(x)
 
 
 def save_activation(kind: str, module: nn.Module, x: Tensor, output: Tensor) -> Tensor | ScaledOutput:
