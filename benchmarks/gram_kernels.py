@@ -78,25 +78,23 @@ def main() -> None:
     grpo = Learner(model, load_config(None, ARMS["grpo"]))
     B, T = batch.input_ids_BS.shape
 
-    def norms() -> None:
+    def norms() -> float:
         _, capture = per_row_grad_capture(model, batch.input_ids_BS, batch.response_mask_BS,
                                           batch.attention_mask_BS)
-        t0 = time.perf_counter()  # what capture.sq_norms() runs (it has already run and kept its result)
+        # What capture.sq_norms() runs (it has already run and kept its result); the capture is not counted.
+        t0 = time.perf_counter()
         total_sq_norms(capture.terms, B, batch.input_ids_BS.device)
-        norm_times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
 
-    # Alternate so that drift hits both alike; the capture's forward and backward are not counted.
+    # Alternate so that drift hits both alike; the first two rounds are warm-up.
     step_times: list[float] = []
     norm_times: list[float] = []
-    for i in range(args.repeats + 2):
+    for _ in range(args.repeats + 2):
         t0 = time.perf_counter()
         grpo.step(batch)
-        if i >= 2:
-            step_times.append(time.perf_counter() - t0)
-        norms()
-        if i < 2:
-            norm_times.clear()
-    step, norm = statistics.median(step_times), statistics.median(norm_times)
+        step_times.append(time.perf_counter() - t0)
+        norm_times.append(norms())
+    step, norm = statistics.median(step_times[2:]), statistics.median(norm_times[2:])
     print(f"setup {args.setup}: B={B}, T={T}, threads={args.threads}, torch={torch.__version__}, "
           f"repeats={args.repeats}")
     print(f"GRPO learner step (median)          {1e3 * step:9.2f} ms")

@@ -120,10 +120,10 @@ class Learner:
         self.model.eval()
         needed_B = None
         if self.config.advantage.estimator == "opob":
-            # The rows that need OPOB norms first, so the fast norms read them as views (order is immaterial:
-            # every per-row quantity stays with its row and the loss and metrics are sums and quantiles).
             needed_B = opob_rows_needing_grad_norms(batch.rewards_B, batch.group_ids_B)
-            if bool((needed_B[1:] & ~needed_B[:-1]).any()):  # a needed row after one that is not
+            # The fast norms read the rows that need them as views if they come first (order is immaterial:
+            # every per-row quantity stays with its row and the loss and metrics are sums and quantiles).
+            if self.single_backward and bool((needed_B[1:] & ~needed_B[:-1]).any()):
                 order = torch.argsort((~needed_B).to(torch.int8), stable=True)
                 batch, needed_B = batch.rows(order), needed_B[order]
         mask_BS = batch.response_mask_BS
