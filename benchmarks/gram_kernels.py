@@ -28,8 +28,8 @@ import torch
 from step_overhead import ARMS, SETUPS, build_batch, build_model
 
 from vcpo.config import load_config
-from vcpo.learner import Learner
 from vcpo.runtime import configure_cpu
+from vcpo.train.learner import Learner
 from vcpo.variance.ghost_layers import total_sq_norms
 from vcpo.variance.ghost_norms import per_row_grad_capture
 

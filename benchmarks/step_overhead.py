@@ -26,9 +26,9 @@ import torch
 import transformers
 
 from vcpo.config import load_config
-from vcpo.learner import Learner
 from vcpo.models import default as default_model
 from vcpo.runtime import configure_cpu
+from vcpo.train.learner import Learner
 from vcpo.types import Batch, SamplingParams, Trajectory
 from vcpo.variance import token_logprobs
 

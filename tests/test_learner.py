@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from vcpo.config import load_config
-from vcpo.learner import Learner
+from vcpo.train.learner import Learner
 from vcpo.types import Batch, SamplingParams, Trajectory
 
 
@@ -56,13 +56,15 @@ def test_fast_opob_gradients_equal_exact(objective, second_backward, tie):
 
 @pytest.mark.parametrize("method", ["fast", "exact"])
 def test_equal_reward_groups_skip_their_norms_and_the_gradient_is_unchanged(method, monkeypatch):
-    import vcpo.learner
+    import vcpo.train.learner
 
     cfg = load_config(None, ["objective.name=vcpo", "advantage.estimator=opob", f"advantage.grad_norm_method={method}"])
     b = batch(rewards=[1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0])  # group 0 all equal: its rows need no G
     skipping = Learner(tiny_llama(), cfg)
     m_skip = skipping.backward(b)
-    monkeypatch.setattr(vcpo.learner, "opob_rows_needing_grad_norms", lambda r, g: torch.ones_like(r, dtype=torch.bool))
+    monkeypatch.setattr(
+        vcpo.train.learner, "opob_rows_needing_grad_norms", lambda r, g: torch.ones_like(r, dtype=torch.bool)
+    )
     full = Learner(tiny_llama(), cfg)
     m_full = full.backward(b)
     assert m_skip["opob/grad_norm_rows_frac"] == 0.5 and m_full["opob/grad_norm_rows_frac"] == 1.0

@@ -12,9 +12,9 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from vcpo.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from vcpo.metrics import MetricsError, MetricsLogger, read_metrics, truncate_metrics
 from vcpo.plots import PlotError, plot_run
+from vcpo.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 
 # ---------------------------------------------------------------- metrics
 

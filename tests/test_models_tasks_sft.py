@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from vcpo import sft
 from vcpo.config import Config, LoggingConfig, ModelConfig, SFTConfig, TaskConfig
 from vcpo.models import ModelLoadError, build_char_tokenizer, build_default_model, load_policy
 from vcpo.tasks import ReasoningGymTask, Task, TaskError, make_task
 from vcpo.tasks.reasoning_gym_task import generator_seed
+from vcpo.train import sft
 from vcpo.types import Problem
 
 SMALL_SUMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}

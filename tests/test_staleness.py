@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from vcpo.staleness import StalenessController, staleness_metrics
+from vcpo.orchestration.staleness import StalenessController, staleness_metrics
 from vcpo.types import SamplingParams, Trajectory
 
 

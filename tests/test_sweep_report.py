@@ -8,9 +8,9 @@ import json
 import pytest
 import yaml
 
-from vcpo.collapse import EarlyWarning, collapse_point, eval_series, evaluate_warnings
-from vcpo.report import ReportError, write_report
-from vcpo.sweep import ARMS, Cell, SweepError, cell_argv, run_sweep
+from vcpo.study.collapse import EarlyWarning, collapse_point, eval_series, evaluate_warnings
+from vcpo.study.report import ReportError, write_report
+from vcpo.study.sweep import ARMS, Cell, SweepError, cell_argv, run_sweep
 
 # ---------------------------------------------------------------- collapse definition
 

@@ -21,11 +21,11 @@ Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from vcpo.checkpoint import CheckpointError
     from vcpo.config import ConfigError
     from vcpo.models.loading import ModelLoadError
     from vcpo.plots import PlotError
     from vcpo.tasks.base import TaskError
+    from vcpo.train.checkpoint import CheckpointError
 
     return ConfigError, ModelLoadError, TaskError, CheckpointError, PlotError
 
@@ -53,8 +53,8 @@ def sft(config: ConfigOpt = None, overrides: Overrides = None) -> None:
         import torch
 
         from vcpo.models.loading import load_policy
-        from vcpo.sft import evaluate_accuracy, warm_start
         from vcpo.tasks import make_task
+        from vcpo.train.sft import evaluate_accuracy, warm_start
 
         cfg = _load(config, overrides)
         torch.set_num_threads(cfg.runtime.torch_threads)
@@ -76,7 +76,7 @@ def train(
 ) -> None:
     """Train with RL: `vcpo train -c CONFIG.yaml [key.path=value ...] [--resume RUN_DIR]`."""
     try:
-        from vcpo.trainer import train as run_training
+        from vcpo.train.trainer import train as run_training
 
         cfg = _load(config, overrides, resume)
         summary = run_training(cfg, resume=resume is not None)
@@ -97,8 +97,8 @@ def evaluate(
     """Greedy accuracy of a model on the held-out split of the configured task."""
     try:
         from vcpo.models.loading import load_policy
-        from vcpo.sft import evaluate_accuracy
         from vcpo.tasks import make_task
+        from vcpo.train.sft import evaluate_accuracy
 
         cfg = _load(config, overrides)
         model, tokenizer = load_policy(model_path, cfg.model.dtype)
@@ -123,7 +123,7 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory holding m
 
 
 def _int_list(option: str, text: str | None) -> list[int] | None:
-    from vcpo.sweep import SweepError
+    from vcpo.study.sweep import SweepError
 
     if text is None:
         return None
@@ -145,7 +145,7 @@ def sweep(
     seeds: Annotated[str | None, typer.Option("--seeds", help="Comma-separated seeds.")] = None,
 ) -> None:
     """Run a grid of (objective arm x staleness k x seed) in lagged mode: `vcpo sweep -c CONFIG --out DIR`."""
-    from vcpo.sweep import FULL_GRID, QUICK_GRID, SweepError, run_sweep
+    from vcpo.study.sweep import FULL_GRID, QUICK_GRID, SweepError, run_sweep
 
     try:
         if config is None:
@@ -167,7 +167,7 @@ def sweep(
 def report(sweep_dir: Annotated[Path, typer.Argument(help="A directory written by `vcpo sweep`.")]) -> None:
     """Write REPORT.md and PNG figures for a sweep: tables, collapse, early warning, claims checked."""
     from vcpo.metrics import MetricsError
-    from vcpo.report import ReportError, write_report
+    from vcpo.study.report import ReportError, write_report
 
     try:
         console.print(f"wrote {write_report(sweep_dir)}")

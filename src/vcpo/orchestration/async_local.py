@@ -3,7 +3,7 @@
 Weights travel through shared memory (one shared copy of the state dict, a version counter and
 a lock); each worker polls the version before every decode step when in-flight updates are on,
 else before each request. The learner's process admits rollout groups under the staleness bound
-(vcpo.staleness) and drops, at batch time, any group that would exceed it.
+(vcpo.orchestration.staleness) and drops, at batch time, any group that would exceed it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 import torch.multiprocessing as mp
 
 from vcpo.orchestration.base import ProblemStream, generator_for
+from vcpo.orchestration.staleness import StalenessController
 from vcpo.runtime import configure_cpu
-from vcpo.staleness import StalenessController
 from vcpo.types import SamplingParams, Trajectory
 
 _POLL_S = 0.05

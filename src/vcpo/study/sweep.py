@@ -106,7 +106,7 @@ def prepare_warm_starts(base_config: Path, overrides: list[str], seeds: list[int
     import torch
 
     from vcpo.config import load_config
-    from vcpo.sft import warm_start
+    from vcpo.train.sft import warm_start
 
     for seed in seeds:
         config = load_config(base_config, [*overrides, f"seed={seed}", "logging.progress=false"])
@@ -133,7 +133,7 @@ def run_sweep(
     (rewritten at the end, one line per cell). Returns the results lines.
     """
     from vcpo.config import load_config
-    from vcpo.report import summarize_cell
+    from vcpo.study.report import summarize_cell
 
     _check_grid(arms, ks, seeds)
     if workers < 1:

@@ -15,17 +15,17 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from vcpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from vcpo.config import Config, ConfigError, save_config
-from vcpo.learner import Learner
 from vcpo.metrics import MetricsLogger, truncate_metrics
 from vcpo.models.loading import load_policy
 from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, RolloutSource, SyncSource
+from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu
-from vcpo.sft import evaluate_accuracy, warm_start
-from vcpo.staleness import staleness_metrics
 from vcpo.tasks import make_task
+from vcpo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from vcpo.train.learner import Learner
+from vcpo.train.sft import evaluate_accuracy, warm_start
 from vcpo.types import Batch, SamplingParams, Trajectory
 
 console = Console(stderr=True)

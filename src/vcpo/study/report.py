@@ -15,8 +15,15 @@ import yaml
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from vcpo.collapse import COLLAPSE_FRACTION, EarlyWarning, collapse_point, eval_series, evaluate_warnings, warning_steps
 from vcpo.metrics import read_metrics
+from vcpo.study.collapse import (
+    COLLAPSE_FRACTION,
+    EarlyWarning,
+    collapse_point,
+    eval_series,
+    evaluate_warnings,
+    warning_steps,
+)
 
 REPORT_FILE = "REPORT.md"
 CELL_NAME = re.compile(r"^(?P<arm>.+)_k(?P<k>\d+)_s(?P<seed>\d+)$")

@@ -1,0 +1,1 @@
+"""Training: the loop (trainer), the learner step, checkpoints and the supervised warm start."""
