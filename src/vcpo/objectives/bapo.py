@@ -64,7 +64,7 @@ def contributions(ratio_N: Tensor, adv_N: Tensor, c_low_K: Tensor, c_high_K: Ten
     return p_K, n_K
 
 
-@register("bapo")
+@register("bapo", scope="batch")
 def bapo(
     inp: ObjectiveInputs,
     *,
