@@ -214,6 +214,8 @@ class Learner:
             lp_bS = self.logprobs(p.batch)
             (coef_BS[p.rows, : lp_bS.shape[1]] * lp_bS).sum().backward()
             self.optimizer.accumulate()
+        if self.single_backward:  # the captures gave the norms only
+            parts[0].metrics["opob/second_backward"] = 1.0
         return parts, out
 
     def metrics(self, batch: Batch, parts: list[_Part], out: ObjectiveOutput | None) -> dict[str, float]:

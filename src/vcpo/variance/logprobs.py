@@ -43,8 +43,8 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     if isinstance(body, nn.Module) and body is not model and isinstance(head, nn.Linear) and not scaled:
         ids = torch.arange(3, 7, device=head.weight.device)[None] % head.out_features
         with torch.no_grad():
-            full = model(input_ids=ids).logits.float()
-            lean = head(body(input_ids=ids).last_hidden_state).float()
+            full = model(input_ids=ids, use_cache=False).logits.float()
+            lean = head(body(input_ids=ids, use_cache=False).last_hidden_state).float()
         if full.shape == lean.shape and torch.allclose(full, lean, rtol=1e-4, atol=1e-5):
             split = (body, head)
     _SPLITS[model] = split
@@ -135,7 +135,7 @@ def _lean_logprobs(
     body: nn.Module, head: nn.Linear, input_ids: Tensor, attention_mask: Tensor | None, temperature: float,
     positions_BS: Tensor, return_entropy: bool, fp32: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    hidden_BSD = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    hidden_BSD = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     # Token t is predicted by the hidden state at t - 1: only the positions asked for get a head.
     rows, cols = positions_BS[:, 1:].bool().nonzero(as_tuple=True)
     lp_N, entropy_N = _ChunkedHeadLogprobs.apply(
@@ -179,7 +179,11 @@ def token_logprobs(
             raise NotImplementedError(
                 f"lm_head_fp32: {type(model).__name__}'s logits are not a Linear head of its hidden states"
             )
-    logits_BTV = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    from transformers import PreTrainedModel  # here: importing transformers costs seconds, objectives need none
+
+    # No KV cache to build (and none that activation checkpointing would have to refuse).
+    no_cache = {"use_cache": False} if isinstance(model, PreTrainedModel) else {}
+    logits_BTV = model(input_ids=input_ids, attention_mask=attention_mask, **no_cache).logits
     return logprobs_from_logits(logits_BTV, input_ids, temperature, return_entropy)
 
 
