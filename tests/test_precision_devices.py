@@ -5,6 +5,7 @@ takes to a CPU, activation checkpointing and the training-inference mismatch met
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_masters_keep_updates_below_bfloat16_resolution():
 def test_master_weights_survive_a_checkpoint_through_the_cpu_loading_path(tmp_path):
     """save_checkpoint / load_checkpoint load optimizer state with map_location='cpu' and copy it to the
     parameters' device: the path a GPU checkpoint takes to a CPU run. A resumed learner continues exactly."""
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=_char_tokenizer())
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=char_tokenizer())
     overrides = ["objective.name=vcpo", "advantage.estimator=opob"]
     first = learner(overrides, BF16)
     first.step(BATCH)
@@ -128,12 +129,32 @@ def test_mismatch_metrics_cover_tokens_of_the_current_version_only():
     assert "mismatch/logprob_abs_max" not in fresh.backward(batch)
 
 
-def _char_tokenizer():
-    from vcpo.models.default import build_char_tokenizer
+def char_tokenizer():
+    from vcpo.models.default import buildchar_tokenizer
 
-    return build_char_tokenizer("abc").backend_tokenizer
+    return buildchar_tokenizer("abc").backend_tokenizer
 
 
 def _other_model() -> torch.nn.Module:
     torch.manual_seed(7)
     return transformers.LlamaForCausalLM(MODEL.config).eval()
+
+
+def test_gpu_config_runs_on_the_cpu_with_a_local_model(tmp_path):
+    """configs/gpu_qwen2.5-0.5b.yaml's code path (a local model in bfloat16, float32 LM head, micro-batches, fast
+    OPOB) through the command line, on the CPU with a tiny local Llama in place of the downloaded model."""
+    from vcpo.config import TaskConfig
+    from vcpo.models.default import build_default_model
+    from vcpo.tasks import make_task
+
+    cfg = load_config("configs/gpu_qwen2.5-0.5b.yaml")
+    assert (cfg.model.dtype, cfg.model.device, cfg.model.lm_head_fp32) == ("bfloat16", "cuda", True)
+    task = TaskConfig(name=cfg.task.name, kwargs=cfg.task.kwargs)
+    model_dir = build_default_model(make_task(task), 0, tmp_path / "model")
+    run = tmp_path / "run"
+    vcpo("train", "-c", "configs/gpu_qwen2.5-0.5b.yaml", f"model.path={model_dir}", "model.device=cpu",
+         f"run_dir={run}", "async.mode=sync", "trainer.max_steps=2", "rollout.prompts_per_step=2",
+         "rollout.group_size=4", "task.eval_size=8", "trainer.micro_batch_tokens=64", "logging.progress=false",
+         "runtime.torch_threads=1")
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2] and "mismatch/logprob_abs_max" in lines[0]
