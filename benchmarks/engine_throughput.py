@@ -1,6 +1,6 @@
 """Rollout engine throughput against Hugging Face's ``model.generate`` on the same prompts and sampling settings.
 
-Both sample every row for exactly ``--new-tokens`` tokens (the engine's EOS id is one it never samples;
+Both sample every row for exactly the setup's number of new tokens (the engine's EOS id is one it never samples;
 ``generate`` gets ``min_new_tokens`` equal to ``max_new_tokens``), at the same temperature and top-p, top-k off,
 from the same left-padded prompts, on random-initialised Llama models built locally. The two run alternately,
 ``--repeats`` rounds after a warm-up; each prints generated tokens per second (median over rounds) and the last
@@ -15,56 +15,31 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 import transformers
+from step_overhead import Setup, build_model
 
 from vcpo.models import default as default_model
 from vcpo.rollout import HFRolloutEngine
 from vcpo.runtime import configure_cpu
 from vcpo.types import SamplingParams
 
-
-@dataclass(frozen=True)
-class Setup:
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    rows: int
-    prompt_len: int
-    new_tokens: int
-
-
-SETUPS = {
+SETUPS = {  # B = prompts x group rows, prompts of prompt_len // 2 to prompt_len tokens, response_len new tokens
     # The embedded default model (0.44M parameters) and the quickstart's 16 prompts x 8 samples.
     "default": Setup("default", default_model.HIDDEN_SIZE, default_model.NUM_LAYERS, default_model.NUM_HEADS,
-                     default_model.NUM_HEADS, default_model.INTERMEDIATE_SIZE, 103, 128, 12, 32),
+                     default_model.INTERMEDIATE_SIZE, 103, 16, 8, 12, 32),
     # A 20M-parameter Llama (6 layers, d=384, 8k vocabulary), 64 rows.
-    "large": Setup("large", 384, 6, 6, 6, 1536, 8192, 64, 32, 64),
+    "large": Setup("large", 384, 6, 6, 1536, 8192, 8, 8, 32, 64),
     # Qwen2-0.5B's shape (random weights): 24 layers, d=896, 14 heads, 2 KV heads, vocabulary 151,936.
-    "qwen05b": Setup("qwen05b", 896, 24, 14, 2, 4864, 151936, 64, 64, 128),
+    "qwen05b": Setup("qwen05b", 896, 24, 14, 4864, 151936, 8, 8, 64, 128, kv_heads=2),
 }
 
 
-def build(s: Setup, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate, tie_word_embeddings=True,
-        max_position_embeddings=max(512, s.prompt_len + s.new_tokens), pad_token_id=0, eos_token_id=1,
-    )
-    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
-
-
 def prompts(s: Setup) -> list[list[int]]:
-    """``rows`` prompts of ``prompt_len // 2`` to ``prompt_len`` tokens (ids >= 3: never pad or EOS)."""
+    """B prompts of ``prompt_len // 2`` to ``prompt_len`` tokens (ids >= 3: never pad or EOS)."""
     g = torch.Generator().manual_seed(1)
-    lengths = torch.randint(max(1, s.prompt_len // 2), s.prompt_len + 1, (s.rows,), generator=g).tolist()
+    lengths = torch.randint(max(1, s.prompt_len // 2), s.prompt_len + 1, (s.prompts * s.group,), generator=g).tolist()
     return [torch.randint(3, s.vocab, (n,), generator=g).tolist() for n in lengths]
 
 
@@ -95,9 +70,10 @@ def run_generate(model, batch: list[list[int]], sampling: SamplingParams, device
 
 
 def measure(s: Setup, device: str, dtype: torch.dtype, top_p: float, repeats: int, lm_head_fp32: bool) -> None:
-    model = build(s, device, dtype)
+    model = build_model(s, device, dtype)
     batch = prompts(s)
-    sampling = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=s.new_tokens)
+    rows = s.prompts * s.group
+    sampling = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=s.response_len)
     rates: dict[str, list[float]] = {"engine": [], "generate": []}
     for i in range(repeats + 1):  # round 0 warms up
         for name in rates:
@@ -105,16 +81,35 @@ def measure(s: Setup, device: str, dtype: torch.dtype, top_p: float, repeats: in
             n = (run_engine(model, batch, sampling, device, lm_head_fp32) if name == "engine"
                  else run_generate(model, batch, sampling, device))
             dt = time.perf_counter() - t0
-            assert n == s.rows * s.new_tokens, (name, n)
+            assert n == rows * s.response_len, (name, n)
             if i:
                 rates[name].append(n / dt)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     ratio = statistics.median(e / g for e, g in zip(rates["engine"], rates["generate"], strict=True))
-    print(f"\nsetup {s.name}: {params:.2f}M params, {s.rows} rows, prompts <= {s.prompt_len}, "
-          f"{s.new_tokens} new tokens, top_p {top_p}")
+    print(f"\nsetup {s.name}: {params:.2f}M params, {rows} rows, prompts <= {s.prompt_len}, "
+          f"{s.response_len} new tokens, top_p {top_p}")
     for name, r in rates.items():
         print(f"{name:<10}{statistics.median(r):>12.0f} tokens/s (median of {repeats})")
     print(f"engine/generate tokens/s ratio: {ratio:.2f}")
+
+
+def profile(s: Setup, device: str, dtype: torch.dtype, top_p: float, lm_head_fp32: bool) -> None:
+    """Where one engine call and one ``generate`` call spend their time: torch.profiler's top operators."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    model = build_model(s, device, dtype)
+    batch = prompts(s)
+    sampling = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=s.response_len)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    for name, run in (("engine", lambda: run_engine(model, batch, sampling, device, lm_head_fp32)),
+                      ("generate", lambda: run_generate(model, batch, sampling, device))):
+        run()  # warm-up
+        with torch_profile(activities=activities) as prof:
+            run()
+        print(f"\nprofile of one {name} call ({s.name}):")
+        print(prof.key_averages().table(sort_by=sort, row_limit=15))
 
 
 def main() -> None:
@@ -126,12 +121,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU")
     ap.add_argument("--lm-head-fp32", action="store_true", help="the engine computes its logits in float32")
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of one call of each instead")
     args = ap.parse_args()
     configure_cpu(args.threads)
     print(f"device={args.device} dtype={args.dtype} threads={args.threads} torch={torch.__version__} "
           f"transformers={transformers.__version__}")
     for name in args.setups.split(","):
-        measure(SETUPS[name], args.device, getattr(torch, args.dtype), args.top_p, args.repeats, args.lm_head_fp32)
+        if args.profile:
+            profile(SETUPS[name], args.device, getattr(torch, args.dtype), args.top_p, args.lm_head_fp32)
+        else:
+            measure(SETUPS[name], args.device, getattr(torch, args.dtype), args.top_p, args.repeats,
+                    args.lm_head_fp32)
 
 
 if __name__ == "__main__":

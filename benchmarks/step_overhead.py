@@ -61,9 +61,11 @@ SETUPS = {
     "xl": Setup("xl", 1024, 12, 16, 4096, 32000, 8, 8, 128, 384),
     # Qwen2-0.5B's shape (random weights, built locally): 16 rows of up to 512 tokens.
     "qwen05b": Setup("qwen05b", 896, 24, 14, 4864, 151936, 2, 8, 128, 384, kv_heads=2),
-    # For benchmarks/learner_memory.py: a 32k vocabulary on the CPU (32 rows of up to 256 tokens) and the
-    # issue's 0.5B target on a GPU (64 rows of up to 1,024 tokens).
+    # For benchmarks/learner_memory.py: on the CPU a 32k vocabulary (32 rows of up to 256 tokens), where the
+    # log-softmax dominates, and 12 deeper layers (16 rows of up to 256 tokens), where activations do; on a GPU
+    # the 0.5B target (64 rows of up to 1,024 tokens).
     "medium": Setup("medium", 256, 4, 4, 1024, 32000, 4, 8, 64, 192),
+    "deep": Setup("deep", 512, 12, 8, 2048, 8192, 2, 8, 64, 192),
     "qwen05b_1k": Setup("qwen05b_1k", 896, 24, 14, 4864, 151936, 8, 8, 256, 768, kv_heads=2),
 }
 

@@ -179,6 +179,22 @@ def test_accumulate_grad_in_bfloat16_keeps_half_factors_and_matches_autograd(whi
         assert p.grad.dtype == BF16 and (p.grad.float() - expected[n]).norm() < 1e-2 * expected[n].norm(), n
 
 
+def test_capture_with_a_float32_head_matches_per_row_autograd():
+    """lm_head_fp32: the capture computes the logits in float32 from the bfloat16 body and records that product as
+    the head's call; its norms match per-row autograd through the same float32-head log-probs."""
+    model = tiny("llama", BF16, tie_word_embeddings=True)
+    params = list(model.parameters())
+    G_B, capture = per_row_grad_capture(model, INPUT_IDS, RESPONSE, ATTENTION, lm_head_fp32=True)
+    logp_BT = token_logprobs(model, INPUT_IDS, ATTENTION, lm_head_fp32=True)
+    torch.testing.assert_close(capture.logprobs_BT, logp_BT.detach(), rtol=0, atol=1e-5)
+    expected = []
+    for b in range(3):
+        score = torch.where(RESPONSE[b, 1:].bool(), logp_BT[b, 1:], torch.zeros_like(logp_BT[b, 1:])).sum()
+        grads = torch.autograd.grad(score, params, retain_graph=True)
+        expected.append(sum(g.double().square().sum() for g in grads))
+    assert rel_err(G_B, torch.stack(expected)) < 5e-3
+
+
 class HandBuiltLM(nn.Module):
     """Embedding (padding row) -> torch RMSNorm -> a Linear called twice with causal averaging -> LayerNorm -> head."""
 

@@ -158,3 +158,12 @@ def test_gpu_config_runs_on_the_cpu_with_a_local_model(tmp_path):
          "runtime.torch_threads=1")
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2] and "mismatch/logprob_abs_max" in lines[0]
+
+
+@pytest.mark.parametrize(("key", "named"), [("model.lm_head_fp32=true", "model.lm_head_fp32: ScaledLogits"),
+                                            ("trainer.gradient_checkpointing=true", "trainer.gradient_checkpointing")])
+def test_options_a_model_cannot_honour_are_one_config_error(key, named):
+    from test_logprobs import ScaledLogits
+
+    with pytest.raises(ConfigError, match=named):
+        Learner(ScaledLogits(), load_config(None, [key]))

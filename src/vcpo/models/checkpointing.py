@@ -13,13 +13,15 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from vcpo.config import ConfigError
+
 
 def enable_activation_checkpointing(model: nn.Module) -> list[nn.Module]:
     """Turn on non-reentrant activation checkpointing; returns the modules it applies to.
 
-    Raises ValueError naming the model class when it does not support checkpointing."""
+    Raises ConfigError naming the key and the model class when the model does not support checkpointing."""
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"trainer.gradient_checkpointing: {type(model).__name__} does not support it")
+        raise ConfigError(f"trainer.gradient_checkpointing: {type(model).__name__} does not support it")
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from vcpo.config import Config
+from vcpo.config import Config, ConfigError
 from vcpo.models.checkpointing import checkpointing_active, enable_activation_checkpointing
 from vcpo.objectives import (
     ObjectiveInputs,
@@ -49,6 +49,7 @@ from vcpo.variance import (
     trajectory_grad_sq_norms,
 )
 from vcpo.variance.ghost_norms import PerRowGradCapture, per_row_grad_capture
+from vcpo.variance.logprobs import split_head
 
 
 @dataclass
@@ -85,6 +86,9 @@ class Learner:
         self.loss_agg = self.objective_kwargs.get("loss_agg", objective_hyperparameters(name)["loss_agg"])
         self.scope = objective_scope(name)
         self.checkpointed = enable_activation_checkpointing(model) if tc.gradient_checkpointing else []
+        if config.model.lm_head_fp32 and split_head(model) is None:
+            raise ConfigError(f"model.lm_head_fp32: {type(model).__name__}'s logits are not a Linear head of its "
+                              "hidden states")
         self.version = 0
 
     @property
