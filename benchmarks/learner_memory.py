@@ -3,7 +3,9 @@ with and without micro-batches and activation checkpointing, for a GRPO step and
 
 Each configuration runs in its own forked process: two warm-up steps, then one measured step. On the CPU the
 figure is the rise of the resident set's high-water mark during that step (``VmHWM`` after resetting it through
-``/proc/self/clear_refs``, with glibc's default allocator, which returns large freed blocks to the system); on
+``/proc/self/clear_refs``), with glibc told to return every freed block of 128 KiB or more to the system at once
+(fixed mmap and trim thresholds; by default it raises its mmap threshold up to 32 MiB and keeps blocks below it
+for reuse, which would hide a step's activations in memory the warm-up steps left behind); on
 CUDA it is ``torch.cuda.max_memory_allocated`` during the step minus what was allocated before it (the model,
 its gradients' storage and the optimizer state are held before; the step's activations and temporaries are what
 the figure shows, plus the gradients and AdamW state created on the first step, already there).
@@ -16,6 +18,7 @@ the figure shows, plus the gradients and AdamW state created on the first step, 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing
 import time
 
@@ -45,8 +48,17 @@ def _current_rss_mib() -> float:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
+def _release_freed_memory() -> None:
+    """glibc: blocks of 128 KiB or more are mmap'ed and unmapped when freed; the heap is trimmed above 128 KiB."""
+    mallopt = ctypes.CDLL("libc.so.6").mallopt
+    mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD (a fixed value also stops its dynamic growth)
+    mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD
+
+
 def _one(setup: str, arm: str, variant: dict, device: str, dtype: str, threads: int) -> tuple[float, float]:
     """(peak MiB above the level before the step, step seconds) of one configuration, in this process."""
+    if not device.startswith("cuda"):
+        _release_freed_memory()
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
     if not variant["lean"]:

@@ -10,6 +10,7 @@ the last line is ``vcpo_fast/grpo step-time ratio: X.XX`` (the ratio of the medi
     python benchmarks/step_overhead.py --setups default --equal-reward-groups 0.5   # training-like rewards
     python benchmarks/step_overhead.py --device cuda --setups large,xl   # on a GPU
     python benchmarks/step_overhead.py --device cuda --dtype bfloat16 --setups xl,qwen05b   # bfloat16 weights
+    python benchmarks/step_overhead.py --device cuda --dtype bfloat16 --setups xl --profile vcpo_fast   # where it goes
 """
 
 from __future__ import annotations
@@ -218,6 +219,24 @@ def cpu_peak_memory(s: Setup, threads: int, equal_groups: float, dtype: torch.dt
     return result
 
 
+def profile_step(s: Setup, arm: str, device: str, dtype: torch.dtype, equal_groups: float) -> None:
+    """torch.profiler's top operators (by GPU time on CUDA) of one learner step of ``arm`` after two warm-ups."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build_model(s, device, dtype)
+    batch = build_batch(s, model, device, equal_groups)
+    learner = Learner(model, load_config(None, ARMS[arm]))
+    for _ in range(2):
+        learner.step(batch)
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        learner.step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+    print(f"\nprofile of one {arm} step ({s.name}):")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=25))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats, default setup only (< 2 min on 2 cores)")
@@ -232,6 +251,8 @@ def main() -> None:
     ap.add_argument("--equal-reward-groups", type=float, default=0.0, metavar="FRACTION",
                     help="fraction of groups with equal rewards, whose rows need no OPOB norm (default 0: every "
                          "row needs one; the staleness study's training batches had about 0.5)")
+    ap.add_argument("--profile", default=None, metavar="ARM", choices=list(ARMS),
+                    help="print torch.profiler's table of one step of this arm (per setup) instead of timing")
     args = ap.parse_args()
     if not 0.0 <= args.equal_reward_groups <= 1.0:
         ap.error(f"--equal-reward-groups must be in [0, 1], got {args.equal_reward_groups}")
@@ -239,6 +260,11 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     names = (args.setups or ("default" if args.quick else "default,large")).split(",")
     repeats = args.repeats or (7 if args.quick else 15)
+    if args.profile:
+        configure_cpu(args.threads)
+        for name in names:
+            profile_step(SETUPS[name], args.profile, args.device, dtype, eq)
+        return
     # Memory first, in forked processes that keep the default allocator (see cpu_peak_memory).
     memory = ({name: cpu_peak_memory(SETUPS[name], args.threads, eq, dtype) for name in names}
               if args.device == "cpu" else {})

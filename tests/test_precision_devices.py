@@ -130,9 +130,9 @@ def test_mismatch_metrics_cover_tokens_of_the_current_version_only():
 
 
 def char_tokenizer():
-    from vcpo.models.default import buildchar_tokenizer
+    from vcpo.models.default import build_char_tokenizer
 
-    return buildchar_tokenizer("abc").backend_tokenizer
+    return build_char_tokenizer("abc").backend_tokenizer
 
 
 def _other_model() -> torch.nn.Module:

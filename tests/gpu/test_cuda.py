@@ -10,12 +10,15 @@ cuBLAS and cuDNN sum in other orders); bfloat16 2e-2 relative for micro-batched 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
+import transformers
 
 from test_e2e_cli import metrics, vcpo
 from test_micro_batches import BATCH, MODEL
+from test_precision_devices import char_tokenizer
 from vcpo.config import load_config
 from vcpo.objectives import list_objectives
 from vcpo.rollout import HFRolloutEngine
@@ -25,8 +28,11 @@ from vcpo.types import SamplingParams
 from vcpo.variance import logprobs as L
 from vcpo.variance import token_logprobs, trajectory_grad_sq_norms
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-CUDA = torch.device("cuda")
+# VCPO_GPU_TESTS_DEVICE=cpu runs these tests' logic on the CPU (to check them on a machine without a GPU).
+DEVICE = os.environ.get("VCPO_GPU_TESTS_DEVICE", "cuda")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                                  reason="needs a CUDA device")]
+CUDA = torch.device(DEVICE)
 
 
 def learner(overrides: list[str], device: torch.device = CUDA, dtype: torch.dtype = torch.float32) -> Learner:
@@ -53,7 +59,7 @@ def test_modes_through_the_command_line_on_cuda(tmp_path, mode, extra):
     vcpo("train", "-c", "configs/quickstart.yaml", f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=30",
          "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "task.eval_size=16",
          "trainer.eval_every=2", "logging.progress=false", f"run_dir={run}", f"async.mode={mode}",
-         "async.max_staleness=1", "trainer.max_steps=3", "model.device=cuda", *extra)
+         "async.max_staleness=1", "trainer.max_steps=3", f"model.device={DEVICE}", *extra)
     lines = metrics(run)
     assert [m["step"] for m in lines] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(m["grad_norm"])) for m in lines)
@@ -111,17 +117,14 @@ def test_engine_and_learner_agree_on_cuda(dtype, fp32_head, bound):
     rows = [p + g.response_ids for p, g in zip(prompts, gens, strict=True)]
     S = max(map(len, rows))
     ids = torch.tensor([r + [0] * (S - len(r)) for r in rows], device=CUDA)
-    lp = token_logprobs(model, ids, (ids != 0).long(), lm_head_fp32=fp32_head)
+    attention = torch.tensor([[1] * len(r) + [0] * (S - len(r)) for r in rows], device=CUDA)
+    lp = token_logprobs(model, ids, attention, lm_head_fp32=fp32_head)
     gap = max((torch.tensor(g.behavior_logprobs, device=CUDA) - lp[b, len(p) : len(p) + len(g.response_ids)])
               .abs().max().item() for b, (p, g) in enumerate(zip(prompts, gens, strict=True)))
     assert gap < bound
 
 
 def test_checkpoint_written_on_cuda_resumes_on_the_cpu(tmp_path):
-    import transformers
-
-    from test_precision_devices import char_tokenizer
-
     overrides = ["objective.name=vcpo", "advantage.estimator=opob"]
     gpu = learner(overrides, dtype=torch.bfloat16)
     gpu.step(BATCH)

@@ -56,7 +56,10 @@ def sample_next(
     reaches ``top_p`` (never empty), and ``mu = q restricted to that set, renormalised``. The token is
     drawn from mu and ``log mu(token)`` is returned. ``greedy`` takes ``argmax q`` and returns ``log q``.
     """
-    logq_BV = torch.log_softmax(logits_BV.float() / sampling.temperature, dim=-1)
+    logits_BV = logits_BV.float()
+    if sampling.temperature != 1.0:  # x / 1.0 == x: skip the pass over [B, V]
+        logits_BV = logits_BV / sampling.temperature
+    logq_BV = torch.log_softmax(logits_BV, dim=-1)
     if greedy:
         tokens_B = logq_BV.argmax(dim=-1)
         return tokens_B, logq_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
