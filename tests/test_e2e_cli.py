@@ -63,8 +63,8 @@ def test_each_mode_runs_and_logs_the_contract_keys(tmp_path, tiny, mode, k, extr
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
 
 
-def test_lagged_resume_equals_uninterrupted_run(tmp_path, tiny):
-    common = ["-c", "configs/quickstart.yaml", *tiny, "async.mode=lagged", "async.max_staleness=2"]
+def assert_resume_equals_uninterrupted(tmp_path: Path, common: list[str]) -> list[dict]:
+    """Run 4 steps straight and 2 + 2 with a resume in between; every non-timing metric must agree."""
     full, part = tmp_path / "full", tmp_path / "part"
     # Interrupt at step 2 (an evaluation step anyway, so both runs log the same keys), resume to 4.
     vcpo("train", *common, f"run_dir={full}", "trainer.max_steps=4")
@@ -76,6 +76,23 @@ def test_lagged_resume_equals_uninterrupted_run(tmp_path, tiny):
         ka = {k: v for k, v in ma.items() if not k.startswith("time/")}
         kb = {k: v for k, v in mb.items() if not k.startswith("time/")}
         assert ka == kb, f"step {ma['step']} differs after resume"
+    return a
+
+
+def test_lagged_resume_equals_uninterrupted_run(tmp_path, tiny):
+    assert_resume_equals_uninterrupted(tmp_path, ["-c", "configs/quickstart.yaml", *tiny, "async.mode=lagged",
+                                                  "async.max_staleness=2"])
+
+
+def test_lagged_replay_resumes_exactly_with_tb(tmp_path, tiny):
+    # Fresh batches at lag 1, replayed groups up to k = 2; the buffer and its RNG are in the checkpoint.
+    lines = assert_resume_equals_uninterrupted(tmp_path, [
+        "-c", "configs/quickstart.yaml", *tiny, "async.mode=lagged", "async.max_staleness=2",
+        "async.replay.enabled=true", "async.replay.generation_lag=1", "async.replay.groups_per_step=6",
+        "async.replay.max_uses=2", "objective.name=tb", "advantage.estimator=grpo", "trainer.ess_lr.enabled=false"])
+    assert [m["staleness/max"] for m in lines] == [0, 1, 2, 2]
+    assert max(m["replay/age_max"] for m in lines) == 2 and all(m["replay/max_age"] == 2 for m in lines)
+    assert any(m["replay/uses_max"] == 2 for m in lines) and all(m["replay/fresh_groups"] == 4 for m in lines)
 
 
 @pytest.mark.parametrize(("override", "named"), [
