@@ -95,6 +95,23 @@ def test_lagged_replay_resumes_exactly_with_tb(tmp_path, tiny):
     assert any(m["replay/uses_max"] == 2 for m in lines) and all(m["replay/fresh_groups"] == 4 for m in lines)
 
 
+def test_tba_recipe_runs_with_searchers_and_stops_at_its_time_budget(tmp_path, tiny):
+    # configs/tba.yaml as shipped (async, tb, replay), with two searchers to spare the CI machine.
+    run = tmp_path / "tba"
+    vcpo("train", "-c", "configs/tba.yaml", *tiny, f"run_dir={run}", "trainer.max_steps=3", "async.num_workers=2")
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for m in lines:
+        assert REQUIRED_KEYS <= m.keys() and m["staleness/max"] <= 4 and m["replay/age_max"] <= 4
+        assert m["batch/size"] == 4 * 4 and m["replay/fresh_groups"] == 4  # 4 groups of 4 drawn, 4 arrived
+    # A wall-clock budget of 1 ms ends the run after its first step, evaluated as a last step is.
+    budget = tmp_path / "budget"
+    vcpo("train", "-c", "configs/quickstart.yaml", *tiny, f"run_dir={budget}", "async.mode=sync",
+         "trainer.max_steps=50", "trainer.max_time_s=0.001")
+    assert [(m["step"], "eval/accuracy" in m) for m in metrics(budget)] == [(1, True)]
+    assert json.loads((budget / "summary.json").read_text())["steps"] == 1
+
+
 @pytest.mark.parametrize(("override", "named"), [
     ("trainer.lrr=0.1", "trainer.lrr"),
     ("async.mode=sometimes", "async.mode"),

@@ -168,6 +168,8 @@ def test_replay_source_wraps_any_source_and_resumes_exactly():
     assert [[t.group_id for t in resumed.next_batch(v)] for v in range(3, 6)] == seen[3:]
     m = full.metrics()
     assert m["replay/fresh_groups"] == 2.0 and m["replay/fresh_tokens"] == 8.0  # 2 groups x 2 x 2 tokens
+    # batch 5 holds groups 10 and 11 with rewards (10 % 3, 0) = (1, 0) and (11 % 3, 0) = (2, 0): mean 3/4.
+    assert m["replay/fresh_reward_mean"] == 0.75
     assert m["staleness/dropped_over_bound"] == 0.0 and m["replay/age_max"] <= 2
     assert all(len(ids) == 6 for ids in seen[1:])  # 3 whole groups of 2 once the buffer holds enough
     full.publish(None, 7)

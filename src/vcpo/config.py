@@ -94,6 +94,9 @@ class TrainerConfig(_Strict):
     eval_every: int = Field(10, ge=0)
     """Steps between held-out evaluations (0 = only at the start and the end)."""
     checkpoint_every: int = Field(10, ge=0)
+    max_time_s: float | None = Field(None, gt=0)
+    """A wall-clock budget per invocation: the run ends (evaluated and checkpointed as at max_steps)
+    after the first step that finishes past it. None = max_steps alone decides."""
 
 
 class ReplayConfig(_Strict):

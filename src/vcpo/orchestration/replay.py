@@ -174,8 +174,13 @@ class ReplaySource:
         fresh_groups = split_groups(self.inner.next_batch(learner_version))
         fresh = self.buffer.add(fresh_groups)
         picked, self._metrics = self.buffer.draw(fresh, self.groups_per_step, learner_version)
-        self._metrics["replay/fresh_groups"] = float(len(fresh_groups))
-        self._metrics["replay/fresh_tokens"] = float(sum(len(t.response_ids) for g in fresh_groups for t in g))
+        fresh_trajectories = [t for g in fresh_groups for t in g]
+        self._metrics |= {
+            "replay/fresh_groups": float(len(fresh_groups)),
+            "replay/fresh_tokens": float(sum(len(t.response_ids) for t in fresh_trajectories)),
+            # reward/mean is of the draw, which the reward priority biases upwards; this is of what was generated.
+            "replay/fresh_reward_mean": sum(t.reward for t in fresh_trajectories) / max(len(fresh_trajectories), 1),
+        }
         return [t for e in picked for t in e.group]
 
     def publish(self, model: torch.nn.Module, version: int) -> None:

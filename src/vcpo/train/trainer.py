@@ -153,7 +153,8 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
             _progress(config.logging.progress) as bar,
         ):
             task_id = bar.add_task("train", total=tc.max_steps, completed=learner.version, info="")
-            while learner.version < tc.max_steps:
+            last = False
+            while not last and learner.version < tc.max_steps:
                 t0 = time.perf_counter()
                 trajectories = source.next_batch(learner.version)
                 t_rollout = time.perf_counter() - t0
@@ -163,7 +164,9 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
                 source.publish(model, learner.version)
                 metrics |= source.metrics()
                 step = learner.version
-                if step == tc.max_steps or (tc.eval_every and step % tc.eval_every == 0):
+                elapsed_s = time.perf_counter() - start
+                last = step == tc.max_steps or (tc.max_time_s is not None and elapsed_s >= tc.max_time_s)
+                if last or (tc.eval_every and step % tc.eval_every == 0):
                     last_accuracy = metrics["eval/accuracy"] = evaluate()
                 if step == 1:
                     metrics["eval/accuracy_initial"] = initial_accuracy
@@ -172,7 +175,7 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
                 bar.update(task_id, completed=step, info=(
                     f"reward {metrics['reward/mean']:.2f}  ess {metrics['ess/ratio']:.2f}  "
                     f"stale {metrics['staleness/max']:.0f}  acc {last_accuracy:.2f}"))
-                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.max_steps:
+                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and not last:
                     checkpoint()
             checkpoint()
     except BaseException:
