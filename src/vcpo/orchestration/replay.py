@@ -49,11 +49,12 @@ class ReplayBuffer:
     1. Evict every group whose oldest token's lag ``learner_version - version`` exceeds ``max_age``
        (the run's staleness bound k), then the oldest groups (by version, then arrival) beyond
        ``capacity``.
-    2. ``round(recent_fraction * n)`` groups are drawn uniformly without replacement from the groups
-       that arrived this step ("most recent", TBA's recency sampling), the rest from the older groups
-       without replacement with probability proportional to ``exp(priority_inv_temp * mean reward)``
-       (TBA's reward-prioritised softmax; 0 = uniform). Either side short of groups is topped up
-       from the other, so a batch is smaller than n only when the whole buffer is.
+    2. ``recent_fraction * n`` groups (rounded half up) are drawn uniformly without replacement from
+       the groups that arrived this step ("most recent", TBA's recency sampling), the rest from the
+       older groups without replacement with probability proportional to
+       ``exp(priority_inv_temp * mean reward)`` (TBA's reward-prioritised softmax; 0 = uniform).
+       Either side short of groups is topped up from the other, so a batch is smaller than n only
+       when the whole buffer is.
     3. Every drawn group's use count rises by one; a group used ``max_uses`` times is evicted.
     """
 
@@ -85,7 +86,8 @@ class ReplayBuffer:
         evicted = self._evict(learner_version)
         live = set(self.entries)
         recent = [e for e in fresh if e in live]
-        older = [e for e in self.entries if e not in set(recent)]
+        recent_set = set(recent)
+        older = [e for e in self.entries if e not in recent_set]
         n_recent = min(math.floor(self.recent_fraction * n_groups + 0.5), len(recent))
         n_older = min(n_groups - n_recent, len(older))
         n_recent = min(n_groups - n_older, len(recent))
