@@ -6,6 +6,8 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vcpo.config import ConfigError, load_config
 from vcpo.orchestration.replay import ReplayBuffer, ReplayEntry, ReplaySource, split_groups
@@ -127,6 +129,23 @@ def test_replayed_trajectories_keep_their_provenance_and_state_round_trips():
     batch_b = Batch.from_trajectories(original[replayed[0].group[0].group_id], pad_id=0)
     assert batch_a.behavior_logprobs_BS.equal(batch_b.behavior_logprobs_BS)
     assert batch_a.versions_BS.equal(batch_b.versions_BS) and batch_a.group_ids_B.equal(batch_b.group_ids_B)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4)), min_size=1, max_size=12),
+       st.integers(1, 6), st.floats(0, 1), st.integers(1, 3), st.integers(0, 3), st.integers(1, 5))
+def test_invariants_of_any_sequence_of_steps(steps, capacity, recent_fraction, max_uses, max_age, n):
+    # Each step: `fresh` new groups generated `lag` versions ago, then a draw of n groups.
+    buf = buffer(capacity=max(capacity, 4), recent_fraction=recent_fraction, max_uses=max_uses, max_age=max_age)
+    gid = 0
+    for version, (fresh_count, lag) in enumerate(steps):
+        fresh = buf.add([group(gid + i, max(version - lag, 0), (float(i % 2), 1.0)) for i in range(fresh_count)])
+        gid += fresh_count
+        picked, m = buf.draw(fresh, n, learner_version=version)
+        assert len({id(e) for e in picked}) == len(picked) <= n  # never a group twice, never more than n
+        assert all(e.age(version) <= max_age and 1 <= e.uses <= max_uses for e in picked)
+        assert len(buf.entries) <= max(capacity, 4) and all(e.uses < max_uses for e in buf.entries)
+        assert m["replay/age_max"] <= max_age and 0 <= m["replay/recent_frac"] <= 1
 
 
 class ListSource:
