@@ -57,6 +57,19 @@ def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[
 
 
 def make_source(config: Config, learner: Learner, tokenizer, task, model_path: Path) -> RolloutSource:
+    """The run's rollout source: sync, lagged or async, wrapped in TBA's replay buffer when it is on."""
+    source = _generating_source(config, learner, tokenizer, task, model_path)
+    replay = config.async_.replay
+    if not replay.enabled:
+        return source
+    from vcpo.orchestration.replay import ReplayBuffer, ReplaySource
+
+    buffer = ReplayBuffer(replay.capacity, replay.recent_fraction, replay.priority_inv_temp, replay.max_uses,
+                          max_age=config.async_.max_staleness, seed=config.seed)
+    return ReplaySource(source, buffer, replay.groups_per_step or config.rollout.prompts_per_step)
+
+
+def _generating_source(config: Config, learner: Learner, tokenizer, task, model_path: Path) -> RolloutSource:
     rc = config.rollout
     sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens)
     mode = config.async_.mode
@@ -69,14 +82,14 @@ def make_source(config: Config, learner: Learner, tokenizer, task, model_path: P
             group_size=rc.group_size, sampling=sampling, inflight_updates=config.async_.inflight_updates,
             torch_threads=config.runtime.torch_threads,
         )
-        return AsyncSource(learner.model, spec, config.async_.num_workers, config.async_.max_staleness,
+        return AsyncSource(learner.model, spec, config.async_.num_workers, config.async_.generation_bound(),
                            config.async_.drop_older_than, start_version=learner.version)
     engine = HFRolloutEngine(learner.model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
     ctx = RolloutContext(tokenizer, task, ProblemStream(task, config.seed, rc.prompts_per_step), sampling,
                          rc.group_size, config.seed)
     if mode == "sync":
         return SyncSource(engine, ctx)
-    return LaggedSource(engine, ctx, config.async_.max_staleness)
+    return LaggedSource(engine, ctx, config.async_.generation_bound())
 
 
 def _progress(enabled: bool) -> Progress:
@@ -140,7 +153,8 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
             _progress(config.logging.progress) as bar,
         ):
             task_id = bar.add_task("train", total=tc.max_steps, completed=learner.version, info="")
-            while learner.version < tc.max_steps:
+            last = False
+            while not last and learner.version < tc.max_steps:
                 t0 = time.perf_counter()
                 trajectories = source.next_batch(learner.version)
                 t_rollout = time.perf_counter() - t0
@@ -150,7 +164,9 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
                 source.publish(model, learner.version)
                 metrics |= source.metrics()
                 step = learner.version
-                if step == tc.max_steps or (tc.eval_every and step % tc.eval_every == 0):
+                elapsed_s = time.perf_counter() - start
+                last = step == tc.max_steps or (tc.max_time_s is not None and elapsed_s >= tc.max_time_s)
+                if last or (tc.eval_every and step % tc.eval_every == 0):
                     last_accuracy = metrics["eval/accuracy"] = evaluate()
                 if step == 1:
                     metrics["eval/accuracy_initial"] = initial_accuracy
@@ -159,7 +175,7 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
                 bar.update(task_id, completed=step, info=(
                     f"reward {metrics['reward/mean']:.2f}  ess {metrics['ess/ratio']:.2f}  "
                     f"stale {metrics['staleness/max']:.0f}  acc {last_accuracy:.2f}"))
-                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.max_steps:
+                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and not last:
                     checkpoint()
             checkpoint()
     except BaseException:
