@@ -57,8 +57,10 @@ QUICK = Grid(arms=["grpo", "tis_seq", "vcpo", "vcpo_ess_only", "vcpo_opob_only"]
              base_config="configs/quickstart.yaml",
              overrides=["trainer.max_steps=60", "trainer.eval_every=10", "task.eval_size=200"])
 # study2 (issue 17): sums of three 1-digit numbers (configs/staleness_study.yaml), where synchronous RL at
-# lr 3e-4 raises held-out accuracy clearly (0.422 -> 0.60, 0.294 -> 0.51 over 300 steps; the probes in
-# benchmarks/staleness/probe_study2/). 7 arms x 4 k x 4 seeds x 2 pinned warm starts = 224 cells.
+# lr 3e-4 raises held-out accuracy clearly (0.422 -> 0.60, 0.294 -> 0.49-0.53 over 300 steps; the probes in
+# benchmarks/staleness/probe_study2/). 7 arms x 4 k x 4 seeds x 2 pinned warm starts = 224 cells. Measured cost:
+# 62-75 CPU-s per cell, so about 14,800 CPU-s: 2.1 hours with 2 workers on two idle cores (longer when the
+# machine is shared), resumable, in parts with --warm-starts and --seeds.
 STUDY2 = Grid(
     arms=["grpo", "tis_seq", "icepop", "m2po", "vespo", "vcpo", "vcpo_ess_only"], ks=[0, 16, 64, 128],
     seeds=[0, 1, 2, 3], base_config="configs/staleness_study.yaml", overrides=[],
