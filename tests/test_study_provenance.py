@@ -209,3 +209,31 @@ def test_sft_seed_separates_the_warm_start_from_the_rl_seed():
     rl3_ws0 = load_config(None, ["seed=3", "sft.seed=0"])
     assert (sft_seed(rl3), sft_seed(rl3_ws0)) == (3, 0)  # unset: the run's seed, as before the key existed
     assert cache_key(rl3_ws0) == cache_key(load_config(None, ["seed=0"])) != cache_key(rl3)
+
+
+def test_a_resumed_sweep_refuses_cells_of_an_older_model(tmp_path):
+    model = _model_dir(tmp_path / "w0")
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"trainer": {"max_steps": 2}}))
+    # a finished cell of an earlier sweep into the same directory, from a model of another hash
+    _fake_cell(tmp_path / "sw/cells/grpo_k0_w0_s0", "grpo", 0, 0, "w0", "old0", [0.3, 0.4, 0.5])
+    with pytest.raises(SweepError, match="cell grpo_k0_w0_s0 was run from warm start 'w0' of hash old0"):
+        run_sweep(base, tmp_path / "sw", ["grpo"], [0], [0], run_cell=lambda cell, argv: (1, ""),
+                  warm_starts={"w0": WarmStartPin(str(model), warm_start_hash(model))})
+
+
+def test_rerun_refuses_what_it_cannot_reproduce(tmp_path):
+    from vcpo.study.rerun import RerunError, rerun_cell
+
+    with pytest.raises(RerunError, match="is not a finished study cell"):
+        rerun_cell(tmp_path / "nothing", tmp_path / "out")
+    cell = tmp_path / "cells/grpo_k0_w0_s0"
+    _fake_cell(cell, "grpo", 0, 0, "w0", "1111", [0.3, 0.4, 0.5])
+    model = _model_dir(tmp_path / "w0")
+    record = json.loads((cell / "cell.json").read_text())
+    record["warm_start"]["path"] = str(model)
+    (cell / "cell.json").write_text(json.dumps(record))
+    with pytest.raises(RerunError, match="was run from warm start 'w0' of hash 1111, but .* hashes to"):
+        rerun_cell(cell, tmp_path / "out")
+    with pytest.raises(RerunError, match="--steps 99: the committed run has steps 1 to 20"):
+        rerun_cell(cell, tmp_path / "out", steps=99)
