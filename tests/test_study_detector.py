@@ -68,6 +68,11 @@ def test_split_by_warm_start_then_by_seed():
     tuning, held_out, how = detector_split(legacy)
     assert [c["seed"] for c in tuning] == [0] and sorted(c["seed"] for c in held_out) == [1, 2]
     assert detector_split([_cell(None, seed=0)]) is None
+    # the first warm start without a collapse: tune on the first one that has one
+    cells = [_cell(None, warm_start="w0"), _cell(50, warm_start="w1"), _cell(None, warm_start="w2")]
+    tuning, held_out, how = detector_split(cells)
+    assert [c["warm_start"] for c in tuning] == ["w1"] and [c["warm_start"] for c in held_out] == ["w0", "w2"]
+    assert how == "tuned on warm start w1 (warm start w0 had no collapse to tune on), held out: warm starts w0, w2"
 
 
 def test_the_trivial_baseline_family_is_the_ess_level_alone():

@@ -242,6 +242,10 @@ def test_report_tunes_detectors_on_one_seed_and_scores_the_other(tmp_path):
     assert ("| ESS below x (trivial baseline): the ESS ratio's 1-step mean < 0.1, from step 20 | held-out | 1 | 1 "
             "| 0/1 | 0.00 | 5 |") in text
     assert "(b) Collapse can be foreseen online (the paper: a sharp ESS fall, an unstable gradient norm): HELD" in text
+    assert "recall 1/1 [Wilson 0.21, 1.00], false alarms in 0 of 1 stable runs" in text
+    # seed 1 without its collapse: nothing to score recall on
+    _write_cell(tmp_path / "cells" / "grpo_k8_s1", "grpo", 8, 1, [0.3, 0.35, 0.4, 0.4, 0.4])
+    assert "NOT SCORED (no held-out run collapsed)" in write_report(tmp_path).read_text()
 
 
 def test_report_tables_learner_step_time_when_recorded(tmp_path):

@@ -77,13 +77,15 @@ def claim_b(cells: list[dict[str, Any]], detector: dict[str, Any] | None) -> str
            "stale runs that did not collapse" if stable else "")
     if detector is None:
         return f"(b) Collapse can be foreseen online from the ESS ratio: NOT SCORED (no held-out split); {ess}."
-    best = detector["best"]
+    best, held = detector["best"], detector["best"]["held_out"]
+    verdict = ("NOT SCORED (no held-out run collapsed)" if held["collapsed"] == 0 else
+               "HELD" if best["met"] else "DID NOT HOLD")
+    low, high = wilson_interval(held["hits"], held["collapsed"])
     return (f"(b) Collapse can be foreseen online (the paper: a sharp ESS fall, an unstable gradient norm): "
-            f"{'HELD' if best['met'] else 'DID NOT HOLD'} on the held-out runs for the rule the tuning split ranks "
-            f"first ({best['name']}: {best['rule']}; recall "
-            f"{best['held_out']['hits']}/{best['held_out']['collapsed']}, false alarms in "
-            f"{best['held_out']['false_alarms']} of {best['held_out']['false_alarms'] + best['held_out']['quiet']} "
-            f"stable runs; goal: recall >= 0.8 and false alarms in < 20%). {ess}.")
+            f"{verdict} on the held-out runs for the rule the tuning split ranks first ({best['name']}: "
+            f"{best['rule']}; recall {held['hits']}/{held['collapsed']} [Wilson {low:.2f}, {high:.2f}], false alarms "
+            f"in {held['false_alarms']} of {held['false_alarms'] + held['quiet']} stable runs; goal: recall >= 0.8 "
+            f"and false alarms in < 20%). {ess}.")
 
 
 def claim_c(cells: list[dict[str, Any]]) -> str:

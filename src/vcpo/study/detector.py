@@ -103,11 +103,15 @@ def tune(rules: list[Rule], cells: list[dict[str, Any]]) -> tuple[Rule, dict[str
 def detector_split(cells: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str] | None:
     """(tuning cells, held-out cells, what split them): the first warm start's cells against the others'; for
     cells without recorded warm starts, the lowest seed's against the others' (in issue 5's study every seed
-    had its own SFT warm start). None when there is only one of either."""
+    had its own SFT warm start). When the first has no collapse to tune on, the first that has one is the
+    tuning split instead (said in the description). None when there is only one warm start and one seed."""
     for key, label in (("warm_start", "warm start"), ("seed", "seed")):
         values = sorted({c.get(key) for c in cells if c.get(key) is not None}, key=str)
         if len(values) >= 2 and all(c.get(key) is not None for c in cells):
-            first = values[0]
+            collapsed = {c[key] for c in cells if c["collapse_step"] is not None}
+            first = next((v for v in values if v in collapsed), values[0])
+            others = [v for v in values if v != first]
+            note = "" if first == values[0] else f" ({label} {values[0]} had no collapse to tune on)"
             return ([c for c in cells if c[key] == first], [c for c in cells if c[key] != first],
-                    f"tuned on {label} {first}, held out: {label}s {', '.join(map(str, values[1:]))}")
+                    f"tuned on {label} {first}{note}, held out: {label}s {', '.join(map(str, others))}")
     return None
