@@ -87,7 +87,7 @@ def preference(result: dict[str, Any]) -> tuple[float, ...]:
     meets the goal, recall minus false-alarm rate (Youden's J) first."""
     recall, far = result["recall"] or 0.0, result["false_alarm_rate"] or 0.0
     lead = result["median_lead_steps"] or 0.0
-    within = far <= MAX_FALSE_ALARM_RATE
+    within = far < MAX_FALSE_ALARM_RATE
     return (within, recall if within else recall - far, -far, lead)
 
 

@@ -151,7 +151,7 @@ def _detector_lines(result: dict[str, Any] | None) -> list[str]:
         return ["Not scored: the cells have a single warm start and a single seed (no held-out split)."]
     untuned = "" if len(result["rows"]) > 1 else " No run of the tuning split collapsed: nothing to tune the rules on."
     out = [f"Rules {result['how']}.{untuned} Each family's parameters are chosen on the tuning split: most "
-           f"recall with false alarms in <= {rules.MAX_FALSE_ALARM_RATE:.0%} of stable runs, else recall minus "
+           f"recall with false alarms in under {rules.MAX_FALSE_ALARM_RATE:.0%} of stable runs, else recall minus "
            "false-alarm rate. "
            "Recall: collapses warned at or before the collapse step; false alarms: runs that never collapsed but "
            f"warned; alarms per stable run: warnings more than {rules.EPISODE_GAP} steps apart count apart; lead: "
