@@ -1,8 +1,12 @@
-"""Shared test helpers: tiny batches built from explicit numbers."""
+"""Shared test helpers: tiny batches built from explicit numbers; the command line in a child process."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -27,3 +31,15 @@ def make_inputs(lp, blp, adv, mask=None, **extra) -> tuple[ObjectiveInputs, torc
 
 
 LN2 = math.log(2.0)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def vcpo(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m vcpo.cli ARGS`` from the repository root, offline, one thread; raises on failure if ``check``."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "vcpo.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"vcpo {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc

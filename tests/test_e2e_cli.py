@@ -7,27 +7,14 @@ bad config key or value exits non-zero with one line naming it.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import vcpo
+
 REQUIRED_KEYS = {"step", "reward/mean", "ess/ratio", "grad_norm", "lr", "staleness/max", "staleness/mean",
                  "time/step_s"}
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def vcpo(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "vcpo.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"vcpo {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return proc
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> list[str]:
     """Overrides for a tiny run: a few SFT steps (cached once for the module), small batches."""

@@ -42,6 +42,9 @@ class SFTConfig(_Strict):
     steps: int = Field(400, ge=0)
     batch_size: int = Field(64, gt=0)
     lr: float = Field(2e-3, gt=0)
+    seed: int | None = None
+    """The warm start's seed (model initialisation, SFT data, its own accuracy check); None = the run's ``seed``.
+    Set it to cross warm starts with RL seeds (the staleness study's 2 warm starts x 4 seeds)."""
     cache_dir: str = ".cache/vcpo"
     """Where the warm-started default model is cached, keyed by its settings."""
 
