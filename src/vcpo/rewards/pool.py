@@ -1,0 +1,227 @@
+"""The sandboxed scoring pool: long-lived jailed workers that import the scoring libraries once and score batches
+of ``(scorer, args, completion)`` requests, with a hard wall-clock deadline per item enforced by this (parent)
+process. Untrusted completions are never scored in the caller's process.
+
+A worker whose item passes its deadline has its whole process tree killed; the item scores 0 as ``timeout``, the
+worker is started again and the rest of its batch goes on. A scorer that raises scores 0 as ``error``, a scoring
+process that dies as ``crash``. Safe from any thread and from many at once (no signals, no main-thread tricks).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from queue import SimpleQueue
+from typing import Any
+
+from vcpo.envs.isolation import JailedProcess, Limits
+from vcpo.rewards.protocol import ANSWER_MAX_BYTES, decode_answer, encode_frame
+
+STATUSES = ("ok", "error", "crash", "timeout")
+MAX_COMPLETION_CHARS = 16_384  # longer completions are scored on their last this-many characters
+STARTUP_TIMEOUT_S = 120.0  # importing reasoning-gym, sympy and math-verify on a loaded 2-core machine
+CPU_S_PER_ITEM = 60  # RLIMIT_CPU backstop of a scoring process, per item; the wall deadline is the real limit
+
+
+class RewardPoolError(RuntimeError):
+    """The pool could not start a worker (an environment problem, never a completion's doing)."""
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """One completion to score with worker-side scorer ``scorer`` (see ``scorers.SCORERS``) and its ``args``."""
+
+    scorer: str
+    args: tuple
+    completion: str
+
+
+@dataclass(frozen=True)
+class RewardOutcome:
+    """A reward and how it came about: ``ok``, ``error`` (the scorer raised), ``crash`` (its process died) or
+    ``timeout`` (killed at the deadline). Anything but ``ok`` has reward 0.0."""
+
+    reward: float
+    status: str = "ok"
+
+
+class _Worker:
+    """One jailed worker process tree, restarted after a timeout or crash; used by one thread at a time."""
+
+    def __init__(self, limits: Limits, namespaces: bool) -> None:
+        self.limits, self.namespaces = limits, namespaces
+        self.jail: JailedProcess | None = None
+        self.buffer = b""
+        self.isolation: tuple[str, ...] = ()
+
+    def start(self) -> None:
+        read_paths = tuple(p for p in sys.path if p)  # the worker imports vcpo and the scoring libraries
+        payload = {"kind": "call", "target": "vcpo.rewards.worker:serve", "args": {"cpu_s_per_item": CPU_S_PER_ITEM}}
+        jail = JailedProcess(payload, self.limits, namespaces=self.namespaces, read_paths=read_paths,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        report = jail.wait_report(STARTUP_TIMEOUT_S)
+        if report is None or "error" in report:
+            jail.close()
+            why = (report or {}).get("error", f"no sign of life within {STARTUP_TIMEOUT_S:.0f} s")
+            raise RewardPoolError(f"reward pool: a scoring worker failed to start: {why}")
+        os.set_blocking(jail.proc.stdin.fileno(), False)
+        self.jail, self.buffer, self.isolation = jail, b"", tuple(report.get("isolation", ()))
+
+    def stop(self) -> None:
+        if self.jail is not None:
+            self.jail.close()
+            self.jail = None
+
+    def score(self, requests: list[ScoreRequest], timeout_s: float) -> list[RewardOutcome]:
+        out: list[RewardOutcome] = []
+        while len(out) < len(requests):
+            if self.jail is None:
+                self.start()
+            answered, failure = self._round_trip(requests[len(out):], timeout_s)
+            out += answered
+            if failure is not None:  # the item after the answered ones: kill the tree, go on with a new one
+                out.append(RewardOutcome(0.0, failure))
+                self.stop()
+        return out
+
+    def _round_trip(self, requests: list[ScoreRequest], timeout_s: float) -> tuple[list[RewardOutcome], str | None]:
+        """Send one frame; collect answers in order, each within ``timeout_s`` of the one before."""
+        frame = memoryview(encode_frame([(r.scorer, r.args, r.completion[-MAX_COMPLETION_CHARS:]) for r in requests]))
+        stdin, stdout = self.jail.proc.stdin.fileno(), self.jail.proc.stdout.fileno()
+        poller = select.poll()
+        poller.register(stdout, select.POLLIN)
+        poller.register(stdin, select.POLLOUT)
+        answered: list[RewardOutcome] = []
+        deadline = time.monotonic() + timeout_s
+        while len(answered) < len(requests):
+            if b"\n" in self.buffer:
+                line, self.buffer = self.buffer.split(b"\n", 1)
+                answered.append(RewardOutcome(*decode_answer(line, ("ok", "error", "crash"))))
+                deadline = time.monotonic() + timeout_s
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return answered, "timeout"
+            for fd, _ in poller.poll(remaining * 1000):
+                if fd == stdin:
+                    try:
+                        frame = frame[os.write(stdin, frame[: 1 << 16]):]
+                    except BrokenPipeError:
+                        return answered, "crash"
+                    if not frame:
+                        poller.unregister(stdin)
+                    continue
+                chunk = os.read(stdout, 1 << 16)
+                if not chunk or len(self.buffer) > ANSWER_MAX_BYTES * len(requests):
+                    return answered, "crash"
+                self.buffer += chunk
+        return answered, None
+
+
+class ScoringPool:
+    """``workers`` sandboxed scoring processes (started on first use) behind a thread-safe ``score``.
+
+    ``memory_mb`` is each worker's address-space allowance beyond the libraries it loaded; ``namespaces=False``
+    gives the fallback isolation of docs/sandbox.md.
+    """
+
+    def __init__(self, workers: int = 2, memory_mb: int = 1024, namespaces: bool = True) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1 (got {workers!r})")
+        self.workers = workers
+        limits = Limits(memory_mb=memory_mb, max_processes=32)
+        self._all = [_Worker(limits, namespaces) for _ in range(workers)]
+        self._idle: SimpleQueue[_Worker] = SimpleQueue()
+        for worker in self._all:
+            self._idle.put(worker)
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="vcpo-reward")  # long-lived: see _run
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._warmed = False
+        self.closed = False
+
+    def score(self, requests: list[ScoreRequest], timeout_s: float = 5.0) -> list[RewardOutcome]:
+        """Score every request (in order); each has ``timeout_s`` of wall time once its worker reaches it.
+
+        A batch is split into one contiguous chunk per worker, each sent in one round trip.
+        """
+        if self.closed:
+            raise RewardPoolError("reward pool: used after close()")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 (got {timeout_s!r})")
+        if not requests:
+            return []
+        self._warm()
+        n = min(self.workers, len(requests))
+        bounds = [len(requests) * i // n for i in range(n + 1)]
+        futures = [self._executor.submit(self._run, requests[a:b], timeout_s) for a, b in itertools.pairwise(bounds)]
+        outcomes = [o for f in futures for o in f.result()]
+        with self._lock:
+            self._counts.update(o.status for o in outcomes)
+        return outcomes
+
+    def _warm(self) -> None:
+        """Start every worker at once on first use (each import takes seconds); errors surface in ``score``."""
+        with self._lock:
+            if self._warmed:
+                return
+            self._warmed = True
+        for _ in self._all:
+            self._executor.submit(self._run, [], 1.0)
+
+    def _run(self, requests: list[ScoreRequest], timeout_s: float) -> list[RewardOutcome]:
+        # Runs on the pool's own threads: a worker's parent-death signal follows the thread that started it, so
+        # workers are started only from these threads, which live as long as the pool.
+        worker = self._idle.get()
+        try:
+            if worker.jail is None and not requests:
+                worker.start()
+            return worker.score(requests, timeout_s)
+        finally:
+            self._idle.put(worker)
+
+    def counts(self) -> dict[str, int]:
+        """How many items ended in each status since the pool started."""
+        with self._lock:
+            return {status: self._counts[status] for status in STATUSES}
+
+    def close(self) -> None:
+        """Stop every worker (their trees die with them); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._executor.shutdown(wait=True)
+        for worker in self._all:
+            worker.stop()
+
+
+_shared: dict[tuple[Any, ...], ScoringPool] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_pool(workers: int = 2, memory_mb: int = 1024) -> ScoringPool:
+    """The process-wide pool of these settings, created on first use (a forked child gets its own)."""
+    key = (os.getpid(), workers, memory_mb)
+    with _shared_lock:
+        pool = _shared.get(key)
+        if pool is None or pool.closed:
+            pool = _shared[key] = ScoringPool(workers, memory_mb)
+        return pool
+
+
+@atexit.register
+def close_shared_pools() -> None:
+    with _shared_lock:
+        for key, pool in list(_shared.items()):
+            if key[0] == os.getpid():
+                pool.close()
+        _shared.clear()
