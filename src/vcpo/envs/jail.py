@@ -292,6 +292,7 @@ def _payload(spec: dict, report: dict, uid: int | None) -> None:
     except Exception as exc:
         _fail(spec, report, exc)
     _send_report(spec, report)
+    os.environ.clear()  # the interpreter's own locale coercion (LC_CTYPE) included: nothing from outside
     if entry is not None:
         entry(spec["payload"].get("args", {}))
         os._exit(0)
@@ -336,7 +337,6 @@ def _run_code(code: bytes) -> None:
     """Run ``code`` as ``__main__`` the way ``python -c`` would: a traceback and exit 1 on an exception."""
     import types
 
-    os.environ.clear()  # the interpreter's own locale coercion (LC_CTYPE) included: nothing from outside
     main_module = types.ModuleType("__main__")
     sys.modules["__main__"] = main_module
     sys.argv = ["-c"]

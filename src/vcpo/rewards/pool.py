@@ -187,6 +187,21 @@ class ScoringPool:
                 worker.start()
             return worker.score(requests, timeout_s)
         finally:
+            self._release(worker)
+
+    def _release(self, worker: _Worker) -> None:
+        if worker.jail is None and not self.closed:  # killed at a deadline: start its replacement right away
+            try:
+                self._executor.submit(self._revive, worker)
+                return
+            except RuntimeError:  # the pool is shutting down
+                pass
+        self._idle.put(worker)
+
+    def _revive(self, worker: _Worker) -> None:
+        try:
+            worker.start()
+        finally:  # a failed start surfaces at the next score(), which tries again
             self._idle.put(worker)
 
     def counts(self) -> dict[str, int]:

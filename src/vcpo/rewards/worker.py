@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 import os
 import resource
+import signal
 
+from vcpo.envs.jail import UID_BASE
 from vcpo.rewards import scorers
 from vcpo.rewards.protocol import ANSWER_MAX_BYTES, decode_answer, encode_answer, read_frame
 
@@ -35,6 +37,26 @@ def serve(args: dict) -> None:
             if done < len(items):  # the child died on item `done`
                 _answer(0.0, "crash")
                 done += 1
+        _sweep()
+
+
+def _sweep() -> None:
+    """Kill whatever a frame's completions started (a fork bomb's survivors) before the next frame.
+
+    Only as the sandbox's own uid (UID_BASE + n), where kill(-1) reaches this sandbox's processes and no
+    others; running as the caller's uid (the fallback) it would reach the caller.
+    """
+    if os.getuid() < UID_BASE:
+        return
+    try:
+        os.kill(-1, signal.SIGKILL)  # every process this uid may signal, except the caller of kill()
+    except ProcessLookupError:
+        pass
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
 
 
 def _score_in_child(items: list, cpu_s_per_item: int | None) -> int:
