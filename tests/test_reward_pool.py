@@ -136,8 +136,9 @@ def test_what_the_scorer_sees_from_inside(insertion, question, condition):
 def test_a_fork_bomb_is_capped_and_swept_after_its_batch(insertion):
     task, problem = insertion
     bomb = "[__import__('os').fork() for _ in range(64)]"
-    outcomes = task.score([problem], [bomb])
+    outcomes = task.score([problem] * 2, [bomb, HANG])
     assert outcomes[0].reward == 0.0
+    assert outcomes[1].status == "timeout"  # the bomb's copies did not answer for the items after it
     assert task.reward(problem, problem.answer) == 1.0
     pool = shared_pool(task.reward_workers)
     time.sleep(0.2)

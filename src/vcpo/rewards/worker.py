@@ -71,8 +71,12 @@ def _score_in_child(items: list, cpu_s_per_item: int | None) -> int:
         if cpu_s_per_item:
             cpu = cpu_s_per_item * len(items)
             resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        me = os.getpid()
         for scorer, scorer_args, completion in items:
-            os.write(write_end, encode_answer(*_score_one(scorer, scorer_args, completion)))
+            answer = encode_answer(*_score_one(scorer, scorer_args, completion))
+            if os.getpid() != me:  # a copy forked inside the scorer (a fork bomb): it must not answer too
+                os._exit(0)
+            os.write(write_end, answer)
         os._exit(0)
     os.close(write_end)
     answered, buffer = 0, b""
