@@ -5,7 +5,8 @@ pool (:mod:`vcpo.rewards.pool`); what the jail isolates, and how, is in ``jail.p
 
 from __future__ import annotations
 
-import json
+import ast
+import marshal
 import os
 import selectors
 import shutil
@@ -84,8 +85,8 @@ class JailedProcess:
                 "limits": asdict(limits), "payload": payload, "read_paths": list(read_paths), "report_fd": report_w}
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", JAIL_SCRIPT, json.dumps(spec)], stdin=subprocess.PIPE, stdout=stdout,
-                stderr=stderr, env={}, cwd=self.workdir, start_new_session=True, pass_fds=(report_w,),
+                [sys.executable, "-I", "-S", JAIL_SCRIPT, marshal.dumps(spec).hex()], stdin=subprocess.PIPE,
+                stdout=stdout, stderr=stderr, env={}, cwd=self.workdir, start_new_session=True, pass_fds=(report_w,),
             )
         except OSError as exc:
             os.close(self.report_fd)
@@ -154,10 +155,11 @@ class JailedProcess:
 
 
 def parse_report(raw: bytes) -> dict[str, Any] | None:
-    """The jail's one-line JSON report, or None when it sent none (or garbage)."""
+    """The jail's one-line report (a dict literal, written before any untrusted code runs), or None when it sent
+    none (or garbage)."""
     try:
-        report = json.loads(raw.split(b"\n", 1)[0])
-    except ValueError:
+        report = ast.literal_eval(raw.split(b"\n", 1)[0].decode())
+    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
         return None
     return report if isinstance(report, dict) else None
 

@@ -1,7 +1,8 @@
 """Child side of the sandbox: namespaces, a read-only filesystem view, the privilege drop, limits and the supervisor.
 
-:mod:`vcpo.envs.isolation` runs this file as ``python -I -S jail.py SPEC_JSON`` with an empty environment, so it
-uses the standard library only. The process tree: this *supervisor* (in the caller's PID namespace, killable by
+:mod:`vcpo.envs.isolation` runs this file as ``python -I -S jail.py SPEC`` (a marshalled dict, hex-encoded) with
+an empty environment, so it uses the standard library only, and few modules of it: their import time is part of
+every run's start-up. The process tree: this *supervisor* (in the caller's PID namespace, killable by
 the caller) -> with namespaces, an *init* (PID 1 of a new PID namespace; when it dies the kernel kills every
 process inside) -> the *payload* process (unprivileged, limited) that runs the untrusted work.
 """
@@ -10,17 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import importlib.util
-import json
+import marshal
 import os
-import re
 import resource
 import select
 import signal
 import stat
 import sys
 import time
-import traceback
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
@@ -54,14 +52,14 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
 def _load_landlock():
     """``landlock.py`` beside this file, loaded without putting this directory on ``sys.path``."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "landlock.py")
-    spec = importlib.util.spec_from_file_location("_vcpo_landlock", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    namespace = {"__name__": "_vcpo_landlock"}
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), namespace)
+    return namespace["restrict"]
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    spec = marshal.loads(bytes.fromhex(sys.argv[1]))
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the caller dies -> so do we (and, through init, the namespace)
     if os.getppid() != spec["parent_pid"]:  # it died before the line above
         os._exit(EXIT_SETUP)
@@ -211,7 +209,7 @@ def _setup_mounts(spec: dict, uid: int | None) -> None:
     with open("/proc/self/mountinfo") as f:
         mounts = [line.split() for line in f]
     for fields in mounts:
-        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])  # mountinfo writes " " as \040
+        target = _unescape(fields[4])
         if target == workdir:
             continue
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
@@ -222,6 +220,12 @@ def _setup_mounts(spec: dict, uid: int | None) -> None:
         except OSError:
             if os.path.exists(target):  # a mount hidden under a later one cannot be reached, which is fine
                 raise
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash in paths as octal escapes (``\\040``)."""
+    parts = field.split("\\")
+    return parts[0] + "".join(chr(int(p[:3], 8)) + p[3:] for p in parts[1:])
 
 
 def _expose(paths: list[str]) -> None:
@@ -266,7 +270,7 @@ def _payload(spec: dict, report: dict, uid: int | None) -> None:
     """Drop to the sandbox uid, apply Landlock and the limits, report what is in force, run the work."""
     try:
         os.chdir(spec["workdir"])
-        landlock = _load_landlock()
+        landlock_restrict = _load_landlock()
         entry = code = None
         if spec["payload"]["kind"] == "call":  # import the (trusted) module while every file is readable
             sys.path[:0] = spec["read_paths"]
@@ -286,7 +290,7 @@ def _payload(spec: dict, report: dict, uid: int | None) -> None:
             report["isolation"].append("unprivileged-uid")
         report["uid"] = os.getuid()
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
-        report["isolation"] += landlock.restrict(spec["workdir"])
+        report["isolation"] += landlock_restrict(spec["workdir"])
         _set_limits(spec["limits"], uid is None)
         report["isolation"].append("rlimits")
     except Exception as exc:
@@ -329,7 +333,7 @@ def _owned(pid: str) -> bool:
 
 
 def _send_report(spec: dict, report: dict) -> None:
-    os.write(spec["report_fd"], json.dumps(report).encode() + b"\n")
+    os.write(spec["report_fd"], repr(report).encode() + b"\n")
     os.close(spec["report_fd"])
 
 
@@ -348,6 +352,8 @@ def _run_code(code: bytes) -> None:
         if not isinstance(exc.code, int | None):
             print(exc.code, file=sys.stderr)
     except BaseException as exc:
+        import traceback
+
         traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
         status = 1
     try:
