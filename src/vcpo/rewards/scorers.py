@@ -20,14 +20,18 @@ def _dataset_key(name: str, kwargs: dict[str, Any]) -> str:
     return json.dumps([name, kwargs], sort_keys=True, default=str)
 
 
-def prepare(scorer: str, args: tuple) -> None:
+def prepare(scorer: str, args: tuple) -> bool:
     """Build what ``scorer`` needs from trusted arguments only (no completion), so that it is built once per
-    worker rather than once per forked scoring process."""
+    worker rather than once per forked scoring process; True when something new was built."""
     if scorer == "reasoning_gym":
         name, kwargs = args[0], args[1]
         key = _dataset_key(name, kwargs)
         if key not in _datasets:
-            _datasets[key] = reasoning_gym.create_dataset(name, size=1, seed=0, **kwargs)
+            dataset = _datasets[key] = reasoning_gym.create_dataset(name, size=1, seed=0, **kwargs)
+            entry = dataset[0]
+            dataset.score_answer(entry["answer"], entry)  # lazy state built here is inherited by every fork
+            return True
+    return False
 
 
 def score_reasoning_gym(completion: str, name: str, kwargs: dict[str, Any], entry: dict[str, Any]) -> float:
@@ -52,6 +56,10 @@ def score_math(completion: str, answer: str) -> float:
 SCORERS = {"reasoning_gym": score_reasoning_gym, "math": score_math}
 
 
-def quiet() -> None:
-    """math-verify warns on every call made without its signal timeouts; that is deliberate here."""
+def warm_up() -> None:
+    """Silence math-verify's warning about its disabled signal timeouts (deliberate here) and build its lazy
+    state (parsers, caches) once in the worker, so that the forked scoring processes inherit it."""
     logging.disable(logging.WARNING)
+    for completion, answer in ((r"\boxed{\frac{1}{2}}", "0.5"), ("#### 1,000", "1000"), (r"\boxed{x = 3}", "3"),
+                               (r"\boxed{\{1, 2\}}", r"\{2,1\}"), (r"\boxed{(0, 1]}", "(0,1]")):
+        score_math(completion, answer)

@@ -3,12 +3,14 @@
 It reads frames of ``(scorer, args, completion)`` items on stdin and answers each item, in order, on stdout
 (``protocol.py``). Each frame is scored in a forked child, so what one batch's completions do to the interpreter
 (a scorer that ``eval``s them) dies with it; a child that crashes costs only its current item, marked ``crash``,
-and the rest go to a new child. Completions of one frame share that child: one that runs code can change how
-the items after it in the same frame are scored, never other frames, the worker or the caller.
+and the rest go to a new child. The next child is forked ahead (a standby waiting for its frame), so a round trip
+pays no fork. Completions of one frame share its child: one that runs code can change how the items after it in
+the same frame are scored, never other frames, the worker or the caller.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import resource
@@ -16,28 +18,104 @@ import signal
 
 from vcpo.envs.jail import UID_BASE
 from vcpo.rewards import scorers
-from vcpo.rewards.protocol import ANSWER_MAX_BYTES, decode_answer, encode_answer, read_frame
+from vcpo.rewards.protocol import ANSWER_MAX_BYTES, decode_answer, encode_answer, encode_frame, read_frame
+
+
+class _Child:
+    """A forked scoring process that waits for one frame of items on a private pipe, then answers them."""
+
+    def __init__(self, cpu_s_per_item: int | None) -> None:
+        items_r, self.items_w = os.pipe()
+        self.answers_r, answers_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self.items_w)
+            os.close(self.answers_r)
+            _score_frame(items_r, answers_w, cpu_s_per_item)
+        os.close(items_r)
+        os.close(answers_w)
+
+    def run(self, items: list) -> int:
+        """Hand it ``items``; forward its answers to the parent; stop it; return how many it answered."""
+        frame = memoryview(encode_frame(items))
+        try:
+            while frame:
+                frame = frame[os.write(self.items_w, frame):]
+        except BrokenPipeError:  # it died while waiting (a leftover of the last frame killed it)
+            pass
+        answered, buffer = 0, b""
+        while answered < len(items) and len(buffer) <= ANSWER_MAX_BYTES:
+            chunk = os.read(self.answers_r, 4096)
+            if not chunk:
+                break
+            buffer += chunk
+            while b"\n" in buffer and answered < len(items):
+                line, buffer = buffer.split(b"\n", 1)
+                _answer(*decode_answer(line, ("ok", "error")))
+                answered += 1
+        self.stop()
+        return answered
+
+    def stop(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(self.pid, 0)
+        os.close(self.items_w)
+        os.close(self.answers_r)
+
+
+def _score_frame(items_r: int, answers_w: int, cpu_s_per_item: int | None) -> None:
+    """In the child: wait for the frame, score each item, answer on ``answers_w``, exit."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # the child never sees the parent's pipes: what it prints goes nowhere
+        os.dup2(devnull, fd)
+    items = read_frame(items_r)
+    if not items:
+        os._exit(0)
+    if cpu_s_per_item:
+        cpu = cpu_s_per_item * len(items)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    me = os.getpid()
+    for scorer, scorer_args, completion in items:
+        answer = encode_answer(*_score_one(scorer, scorer_args, completion))
+        if os.getpid() != me:  # a copy forked inside the scorer (a fork bomb): it must not answer too
+            os._exit(0)
+        os.write(answers_w, answer)
+    os._exit(0)
 
 
 def serve(args: dict) -> None:
     """Answer frames from stdin until EOF (the parent closed the pipe or died)."""
-    scorers.quiet()
+    cpu = args.get("cpu_s_per_item")
+    scorers.warm_up()
+    gc.freeze()  # a forked child's collector then leaves these objects (and their pages) alone: no copying
+    standby = _Child(cpu)
     while True:
         items = read_frame(0)
         if items is None:
+            standby.stop()
             return
-        for scorer, scorer_args, _ in items:
-            try:
-                scorers.prepare(scorer, scorer_args)
-            except Exception:  # the item's own scoring fails the same way and reports it
-                pass
-        done = 0
-        while done < len(items):
-            done += _score_in_child(items[done:], args.get("cpu_s_per_item"))
-            if done < len(items):  # the child died on item `done`
-                _answer(0.0, "crash")
-                done += 1
+        if any(_prepare(scorer, scorer_args) for scorer, scorer_args, _ in items):
+            standby.stop()  # forked before this scorer was built: it would build it again for every frame
+            gc.freeze()
+            standby = _Child(cpu)
+        done = standby.run(items)
+        while done < len(items):  # the child died on item `done`: it scores 0, a new child takes the rest
+            _answer(0.0, "crash")
+            done += 1
+            if done < len(items):
+                done += _Child(cpu).run(items[done:])
         _sweep()
+        standby = _Child(cpu)  # forked now, while the parent reads the answers
+
+
+def _prepare(scorer: str, scorer_args: tuple) -> bool:
+    try:
+        return scorers.prepare(scorer, scorer_args)
+    except Exception:  # the item's own scoring fails the same way and reports it
+        return False
 
 
 def _sweep() -> None:
@@ -57,48 +135,6 @@ def _sweep() -> None:
             pass
     except ChildProcessError:
         pass
-
-
-def _score_in_child(items: list, cpu_s_per_item: int | None) -> int:
-    """Fork a child that scores ``items`` in order; forward its answers; return how many it answered."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):  # the child never sees the parent's pipes: what it prints goes nowhere
-            os.dup2(devnull, fd)
-        if cpu_s_per_item:
-            cpu = cpu_s_per_item * len(items)
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        me = os.getpid()
-        for scorer, scorer_args, completion in items:
-            answer = encode_answer(*_score_one(scorer, scorer_args, completion))
-            if os.getpid() != me:  # a copy forked inside the scorer (a fork bomb): it must not answer too
-                os._exit(0)
-            os.write(write_end, answer)
-        os._exit(0)
-    os.close(write_end)
-    answered, buffer = 0, b""
-    with os.fdopen(read_end, "rb", buffering=0) as pipe:
-        while answered < len(items):
-            chunk = pipe.read(4096)
-            if not chunk:
-                break
-            buffer += chunk
-            while b"\n" in buffer and answered < len(items):
-                line, buffer = buffer.split(b"\n", 1)
-                _answer(*decode_answer(line, ("ok", "error")))
-                answered += 1
-            if len(buffer) > ANSWER_MAX_BYTES:
-                break
-    if answered < len(items):
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
-    os.waitpid(pid, 0)
-    return answered
 
 
 def _score_one(scorer: str, args: tuple, completion: str) -> tuple[float, str]:
