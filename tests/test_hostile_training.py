@@ -7,6 +7,8 @@ import json
 import uuid
 from pathlib import Path
 
+import torch
+
 import vcpo.rollout.collect as collect
 from vcpo.config import Config, LoggingConfig, RolloutConfig, SFTConfig, TaskConfig, TrainerConfig
 from vcpo.models import default as default_model
@@ -40,7 +42,12 @@ def test_training_continues_through_hostile_rewards(tmp_path, monkeypatch):
         logging=LoggingConfig(progress=False),
         **{"async": {"mode": "sync", "max_staleness": 0}},
     )
-    summary = train(config)
+    threads = torch.get_num_threads()
+    try:
+        summary = train(config)
+    finally:  # train() sets process-wide CPU state (vcpo.runtime.configure_cpu); later tests expect the default
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
     assert summary["steps"] == 2
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]

@@ -24,11 +24,12 @@ from queue import SimpleQueue
 from typing import Any
 
 from vcpo.envs.isolation import JailedProcess, Limits
-from vcpo.rewards.protocol import ANSWER_MAX_BYTES, decode_answer, encode_frame
+from vcpo.rewards.protocol import ANSWER_MAX_BYTES, decode_answer, encode_frame, setup_key
 
 STATUSES = ("ok", "error", "crash", "timeout")
 MAX_COMPLETION_CHARS = 16_384  # longer completions are scored on their last this-many characters
-STARTUP_TIMEOUT_S = 120.0  # importing reasoning-gym, sympy and math-verify on a loaded 2-core machine
+STARTUP_TIMEOUT_S = 120.0  # starting a worker, or importing a scorer's libraries in it, on a loaded 2-core machine
+Answer = tuple[float, str]  # (reward, status) as a worker sent it
 CPU_S_PER_ITEM = 60  # RLIMIT_CPU backstop of a scoring process, per item; the wall deadline is the real limit
 
 
@@ -38,11 +39,16 @@ class RewardPoolError(RuntimeError):
 
 @dataclass(frozen=True)
 class ScoreRequest:
-    """One completion to score with worker-side scorer ``scorer`` (see ``scorers.SCORERS``) and its ``args``."""
+    """One completion to score: ``scorers.SCORERS[scorer](completion, *setup, *args)`` in a worker.
+
+    ``setup`` is what the scorer builds once per worker (e.g. a reasoning-gym dataset's name and settings);
+    it is prepared before the completion's deadline starts. ``args`` are this item's own (e.g. its answer).
+    """
 
     scorer: str
     args: tuple
     completion: str
+    setup: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class _Worker:
         self.jail: JailedProcess | None = None
         self.buffer = b""
         self.isolation: tuple[str, ...] = ()
+        self.prepared: set[str] = set()
 
     def start(self) -> None:
         read_paths = tuple(p for p in sys.path if p)  # the worker imports vcpo and the scoring libraries
@@ -75,6 +82,7 @@ class _Worker:
             raise RewardPoolError(f"reward pool: a scoring worker failed to start: {why}")
         os.set_blocking(jail.proc.stdin.fileno(), False)
         self.jail, self.buffer, self.isolation = jail, b"", tuple(report.get("isolation", ()))
+        self.prepared = set()
 
     def stop(self) -> None:
         if self.jail is not None:
@@ -86,26 +94,42 @@ class _Worker:
         while len(out) < len(requests):
             if self.jail is None:
                 self.start()
-            answered, failure = self._round_trip(requests[len(out):], timeout_s)
-            out += answered
+            rest = requests[len(out):]
+            self._prepare(rest)
+            items = [(r.scorer, r.setup, r.args, r.completion[-MAX_COMPLETION_CHARS:]) for r in rest]
+            answered, failure = self._exchange(encode_frame("score", items), len(items), timeout_s)
+            out += [RewardOutcome(*a) for a in answered]
             if failure is not None:  # the item after the answered ones: kill the tree, go on with a new one
                 out.append(RewardOutcome(0.0, failure))
                 self.stop()
         return out
 
-    def _round_trip(self, requests: list[ScoreRequest], timeout_s: float) -> tuple[list[RewardOutcome], str | None]:
-        """Send one frame; collect answers in order, each within ``timeout_s`` of the one before."""
-        frame = memoryview(encode_frame([(r.scorer, r.args, r.completion[-MAX_COMPLETION_CHARS:]) for r in requests]))
+    def _prepare(self, requests: list[ScoreRequest]) -> None:
+        """Have the worker build the scorer setups it lacks, under the start-up deadline, not the items'."""
+        todo = {setup_key(r.scorer, r.setup): (r.scorer, r.setup) for r in requests}
+        todo = {k: v for k, v in todo.items() if k not in self.prepared}
+        if not todo:
+            return
+        _, failure = self._exchange(encode_frame("prepare", list(todo.values())), 1, STARTUP_TIMEOUT_S)
+        if failure is not None:
+            self.stop()
+            raise RewardPoolError(f"reward pool: a worker could not prepare {sorted({v[0] for v in todo.values()})}"
+                                  f" ({failure} within {STARTUP_TIMEOUT_S:.0f} s)")
+        self.prepared |= todo.keys()  # a setup that failed makes its items report errors themselves
+
+    def _exchange(self, frame_bytes: bytes, expected: int, timeout_s: float) -> tuple[list[Answer], str | None]:
+        """Send one frame; collect ``expected`` answers in order, each within ``timeout_s`` of the one before."""
+        frame = memoryview(frame_bytes)
         stdin, stdout = self.jail.proc.stdin.fileno(), self.jail.proc.stdout.fileno()
         poller = select.poll()
         poller.register(stdout, select.POLLIN)
         poller.register(stdin, select.POLLOUT)
-        answered: list[RewardOutcome] = []
+        answered: list[Answer] = []
         deadline = time.monotonic() + timeout_s
-        while len(answered) < len(requests):
+        while len(answered) < expected:
             if b"\n" in self.buffer:
                 line, self.buffer = self.buffer.split(b"\n", 1)
-                answered.append(RewardOutcome(*decode_answer(line, ("ok", "error", "crash"))))
+                answered.append(decode_answer(line, ("ok", "error", "crash")))
                 deadline = time.monotonic() + timeout_s
                 continue
             remaining = deadline - time.monotonic()
@@ -121,7 +145,7 @@ class _Worker:
                         poller.unregister(stdin)
                     continue
                 chunk = os.read(stdout, 1 << 16)
-                if not chunk or len(self.buffer) > ANSWER_MAX_BYTES * len(requests):
+                if not chunk or len(self.buffer) > ANSWER_MAX_BYTES * expected:
                     return answered, "crash"
                 self.buffer += chunk
         return answered, None

@@ -1,8 +1,10 @@
 """The reward pool's wire format, shared by the parent (``pool.py``) and the sandboxed worker (``worker.py``).
 
-Parent -> worker: frames of a 4-byte big-endian length and a pickled list of ``(scorer, args, completion)``
-(pickles travel only from the trusted side). Worker -> parent: one JSON line ``{"r": reward, "s": status}`` per
-item, in order, which the receiver checks before believing (a finite reward in [0, 1], a known status).
+Parent -> worker: frames of a 4-byte big-endian length and a pickled ``(kind, payload)``: ``("prepare",
+[(scorer, setup), ...])``, answered by one line once every setup is built, or ``("score", [(scorer, setup, args,
+completion), ...])``, answered by one line per item, in order (pickles travel only from the trusted side).
+Worker -> parent: JSON lines ``{"r": reward, "s": status}``, which the receiver checks before believing (a
+finite reward in [0, 1], a known status).
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ from typing import Any
 ANSWER_MAX_BYTES = 256  # a longer line is not an answer
 
 
-def encode_frame(items: list[tuple[str, tuple, str]]) -> bytes:
-    body = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+def setup_key(scorer: str, setup: tuple) -> str:
+    """The identity of one scorer setup (what a worker must have prepared before scoring with it)."""
+    return json.dumps([scorer, list(setup)], sort_keys=True, default=str)
+
+
+def encode_frame(kind: str, payload: list[Any]) -> bytes:
+    body = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
     return struct.pack(">I", len(body)) + body
 
 
-def read_frame(fd: int) -> list[Any] | None:
-    """The next frame's items from a blocking ``fd``; None at EOF."""
+def read_frame(fd: int) -> tuple[str, list[Any]] | None:
+    """The next ``(kind, payload)`` from a blocking ``fd``; None at EOF."""
     header = _read_exactly(fd, 4)
     if header is None:
         return None

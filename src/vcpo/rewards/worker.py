@@ -37,7 +37,7 @@ class _Child:
 
     def run(self, items: list) -> int:
         """Hand it ``items``; forward its answers to the parent; stop it; return how many it answered."""
-        frame = memoryview(encode_frame(items))
+        frame = memoryview(encode_frame("score", items))
         try:
             while frame:
                 frame = frame[os.write(self.items_w, frame):]
@@ -71,15 +71,16 @@ def _score_frame(items_r: int, answers_w: int, cpu_s_per_item: int | None) -> No
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # the child never sees the parent's pipes: what it prints goes nowhere
         os.dup2(devnull, fd)
-    items = read_frame(items_r)
-    if not items:
+    frame = read_frame(items_r)
+    if frame is None:
         os._exit(0)
+    items = frame[1]
     if cpu_s_per_item:
         cpu = cpu_s_per_item * len(items)
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     me = os.getpid()
-    for scorer, scorer_args, completion in items:
-        answer = encode_answer(*_score_one(scorer, scorer_args, completion))
+    for item in items:
+        answer = encode_answer(*_score_one(*item))
         if os.getpid() != me:  # a copy forked inside the scorer (a fork bomb): it must not answer too
             os._exit(0)
         os.write(answers_w, answer)
@@ -89,33 +90,42 @@ def _score_frame(items_r: int, answers_w: int, cpu_s_per_item: int | None) -> No
 def serve(args: dict) -> None:
     """Answer frames from stdin until EOF (the parent closed the pipe or died)."""
     cpu = args.get("cpu_s_per_item")
-    scorers.warm_up()
     gc.freeze()  # a forked child's collector then leaves these objects (and their pages) alone: no copying
     standby = _Child(cpu)
     while True:
-        items = read_frame(0)
-        if items is None:
+        frame = read_frame(0)
+        if frame is None:
             standby.stop()
             return
-        if any(_prepare(scorer, scorer_args) for scorer, scorer_args, _ in items):
-            standby.stop()  # forked before this scorer was built: it would build it again for every frame
-            gc.freeze()
-            standby = _Child(cpu)
-        done = standby.run(items)
-        while done < len(items):  # the child died on item `done`: it scores 0, a new child takes the rest
+        kind, payload = frame
+        if kind == "prepare":
+            built, status = _prepare(payload)
+            if built:  # the standby was forked before: it would lack what was just built
+                standby.stop()
+                gc.freeze()
+                standby = _Child(cpu)
+            _answer(0.0, status)
+            continue
+        done = standby.run(payload)
+        while done < len(payload):  # the child died on item `done`: it scores 0, a new child takes the rest
             _answer(0.0, "crash")
             done += 1
-            if done < len(items):
-                done += _Child(cpu).run(items[done:])
+            if done < len(payload):
+                done += _Child(cpu).run(payload[done:])
         _sweep()
         standby = _Child(cpu)  # forked now, while the parent reads the answers
 
 
-def _prepare(scorer: str, scorer_args: tuple) -> bool:
-    try:
-        return scorers.prepare(scorer, scorer_args)
-    except Exception:  # the item's own scoring fails the same way and reports it
-        return False
+def _prepare(setups: list[tuple[str, tuple]]) -> tuple[bool, str]:
+    """Build each ``(scorer, setup)``; (whether anything new was built, "ok" or "error" if any failed). A setup
+    that fails makes its items fail the same way, each reported as an error."""
+    built, status = False, "ok"
+    for scorer, setup in setups:
+        try:
+            built |= scorers.prepare(scorer, setup)
+        except Exception:
+            status = "error"
+    return built, status
 
 
 def _sweep() -> None:
@@ -137,9 +147,9 @@ def _sweep() -> None:
         pass
 
 
-def _score_one(scorer: str, args: tuple, completion: str) -> tuple[float, str]:
+def _score_one(scorer: str, setup: tuple, args: tuple, completion: str) -> tuple[float, str]:
     try:
-        reward = float(scorers.SCORERS[scorer](completion, *args))
+        reward = float(scorers.SCORERS[scorer](completion, *setup, *args))
     except BaseException:  # a scorer that raises (or exits) on this completion: 0, counted as an error
         return 0.0, "error"
     if not math.isfinite(reward):

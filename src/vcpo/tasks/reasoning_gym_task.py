@@ -92,7 +92,7 @@ class ReasoningGymTask:
         Scored in the sandboxed pool: a scorer that raises on malformed text (some do) scores 0 as ``error``,
         one that hangs past ``reward_timeout_s`` or crashes scores 0 as ``timeout`` / ``crash``.
         """
-        requests = [ScoreRequest("reasoning_gym", (self.name, self.kwargs, p.metadata["entry"]), c)
+        requests = [ScoreRequest("reasoning_gym", (p.metadata["entry"],), c, setup=(self.name, self.kwargs))
                     for p, c in zip(problems, completions, strict=True)]
         return shared_pool(self.reward_workers).score(requests, self.reward_timeout_s)
 
