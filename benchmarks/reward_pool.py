@@ -7,7 +7,8 @@ Per step, the quickstart scores 16 prompts x 8 completions of reasoning-gym chai
 before its step, as scoring does in training (a quickstart step takes about 0.3 s), which is when the workers
 fork their next scoring process. Arms, round-robin:
 - in-process: the dataset's ``score_answer`` called in this process, the path before the pool (unsafe)
-- pool, one batch: ``task.score`` of all 128 completions, one round trip per worker (what collect_groups does)
+- pool, one batch: ``task.score`` of all 128 completions, one round trip per worker (what collect_groups does),
+  with the quickstart's ``task.reward_workers`` (``--workers`` to change it)
 - pool, one call each: ``task.reward`` 128 times (what an unbatched caller would pay)
 Math: ``--pairs`` (completion, answer) pairs through ``math_rewards`` in one batch, and through ``math_reward``
 from 2 threads at once (one verification per call, back to back: each call waits for the fork that the
@@ -69,8 +70,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--pairs", type=int, default=200)
     parser.add_argument("--gap-s", type=float, default=0.3)
+    parser.add_argument("--workers", type=int, default=TaskConfig().reward_workers)
     args = parser.parse_args()
-    task = make_task(TaskConfig())
+    task = make_task(TaskConfig(reward_workers=args.workers))
     task.reward(*quickstart_step(0)[0][:1], "1")  # start the workers
     time.sleep(1.0)
     arms = {"in-process (before)": in_process, "pool, one batch (after)": lambda t, p, c: t.score(p, c),
@@ -88,7 +90,8 @@ def main() -> None:
             assert reference is None or rewards == reference, f"{name} disagrees with the in-process scorer"
             reference = rewards
     base = statistics.median(times["in-process (before)"])
-    print(f"quickstart step: 128 chain_sum completions, 2 workers, {args.gap_s} s between steps")
+    print(f"quickstart step: 128 chain_sum completions, {task.reward_workers} worker(s) (task.reward_workers), "
+          f"{args.gap_s} s between steps")
     for name, ts in times.items():
         median = statistics.median(ts)
         print(f"  {name:26s} median {median * 1e3:8.2f} ms   p90 {statistics.quantiles(ts, n=10)[-1] * 1e3:8.2f} ms"
@@ -114,7 +117,7 @@ def main() -> None:
         t.join()
     single = len(pairs) / (time.perf_counter() - start)
     assert rewards == [o.reward for o in outcomes]
-    print(f"math-verify, 2 workers, {len(pairs)} pairs ({sum(rewards):.0f} equivalent): "
+    print(f"math-verify, {shared_pool().workers} workers, {len(pairs)} pairs ({sum(rewards):.0f} equivalent): "
           f"{batched:.0f} verifications/s batched, {single:.0f}/s one per call from 2 threads")
     print("pool counts:", shared_pool().counts())
 

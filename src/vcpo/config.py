@@ -38,8 +38,9 @@ class TaskConfig(_Strict):
     """Held-out problems for ``eval/accuracy`` (a separate seed from the training stream)."""
     reward_timeout_s: float = Field(5.0, gt=0, le=3600)
     """Wall-clock limit per scored completion; past it the sandboxed scorer is killed and the reward is 0."""
-    reward_workers: int = Field(2, gt=0, le=64)
-    """Sandboxed scoring processes per process that scores (the trainer; each async rollout worker)."""
+    reward_workers: int = Field(1, gt=0, le=64)
+    """Sandboxed scoring processes per process that scores (the trainer; each async rollout worker). Each
+    costs a second or more of CPU to import its scorer's libraries; more help when scoring is slow."""
 
 
 class SFTConfig(_Strict):

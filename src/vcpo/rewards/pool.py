@@ -95,7 +95,7 @@ class _Worker:
             if self.jail is None:
                 self.start()
             rest = requests[len(out):]
-            self._prepare(rest)
+            self.prepare(rest)
             items = [(r.scorer, r.setup, r.args, r.completion[-MAX_COMPLETION_CHARS:]) for r in rest]
             answered, failure = self._exchange(encode_frame("score", items), len(items), timeout_s)
             out += [RewardOutcome(*a) for a in answered]
@@ -104,7 +104,7 @@ class _Worker:
                 self.stop()
         return out
 
-    def _prepare(self, requests: list[ScoreRequest]) -> None:
+    def prepare(self, requests: list[ScoreRequest]) -> None:
         """Have the worker build the scorer setups it lacks, under the start-up deadline, not the items'."""
         todo = {setup_key(r.scorer, r.setup): (r.scorer, r.setup) for r in requests}
         todo = {k: v for k, v in todo.items() if k not in self.prepared}
@@ -194,21 +194,31 @@ class ScoringPool:
         return outcomes
 
     def _warm(self) -> None:
-        """Start every worker at once on first use (each import takes seconds); errors surface in ``score``."""
+        """On first use, start every worker at once; errors surface in ``score``."""
         with self._lock:
             if self._warmed:
                 return
             self._warmed = True
-        for _ in self._all:
-            self._executor.submit(self._run, [], 1.0)
+        self.warm_up([])
 
-    def _run(self, requests: list[ScoreRequest], timeout_s: float) -> list[RewardOutcome]:
+    def warm_up(self, requests: list[ScoreRequest]) -> None:
+        """Start every worker and prepare the scorer setups of ``requests`` in each, in the background (returns at
+        once), so that the first real batch finds them ready. Failures surface at the next ``score``."""
+        with self._lock:
+            self._warmed = True
+        for _ in self._all:
+            self._executor.submit(self._run, requests, None)
+
+    def _run(self, requests: list[ScoreRequest], timeout_s: float | None) -> list[RewardOutcome]:
         # Runs on the pool's own threads: a worker's parent-death signal follows the thread that started it, so
-        # workers are started only from these threads, which live as long as the pool.
+        # workers are started only from these threads, which live as long as the pool. timeout_s None: warm up.
         worker = self._idle.get()
         try:
-            if worker.jail is None and not requests:
-                worker.start()
+            if timeout_s is None:
+                if worker.jail is None:
+                    worker.start()
+                worker.prepare(requests)
+                return []
             return worker.score(requests, timeout_s)
         finally:
             self._release(worker)

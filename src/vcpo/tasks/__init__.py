@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vcpo.config import TaskConfig
-from vcpo.tasks.base import SPLITS, Task, TaskError, score_completions
+from vcpo.tasks.base import SPLITS, Task, TaskError, prepare_scoring, score_completions
 from vcpo.tasks.reasoning_gym_task import ReasoningGymTask
 
 
@@ -14,4 +14,4 @@ def make_task(config: TaskConfig) -> Task:
                             reward_workers=config.reward_workers, **config.kwargs)
 
 
-__all__ = ["SPLITS", "ReasoningGymTask", "Task", "TaskError", "make_task", "score_completions"]
+__all__ = ["SPLITS", "ReasoningGymTask", "Task", "TaskError", "make_task", "prepare_scoring", "score_completions"]

@@ -33,6 +33,14 @@ class Task(Protocol):
     def reward(self, problem: Problem, completion: str) -> float: ...
 
 
+def prepare_scoring(task: Task) -> None:
+    """Let a task start its scorer in the background if it can (vcpo's tasks start their sandboxed workers and
+    import the scorer's libraries there, seconds of CPU); call it early, before loading a model."""
+    warm_up = getattr(task, "warm_up", None)
+    if warm_up is not None:
+        warm_up()
+
+
 def score_completions(task: Task, problems: list[Problem], completions: list[str]) -> list[RewardOutcome]:
     """Rewards of a batch with their statuses: ``task.score`` when the task has it (one sandboxed round trip),
     else ``task.reward`` one by one (a task of the user's own, trusted to run here; if it raises: 0, ``error``)."""

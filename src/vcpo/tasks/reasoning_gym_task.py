@@ -48,7 +48,7 @@ class ReasoningGymTask:
     processes, each completion within ``reward_timeout_s`` seconds.
     """
 
-    def __init__(self, name: str, reward_timeout_s: float = 5.0, reward_workers: int = 2, **kwargs: Any) -> None:
+    def __init__(self, name: str, reward_timeout_s: float = 5.0, reward_workers: int = 1, **kwargs: Any) -> None:
         self.name = name
         self.kwargs = dict(kwargs)
         self.reward_timeout_s = reward_timeout_s
@@ -95,6 +95,12 @@ class ReasoningGymTask:
         requests = [ScoreRequest("reasoning_gym", (p.metadata["entry"],), c, setup=(self.name, self.kwargs))
                     for p, c in zip(problems, completions, strict=True)]
         return shared_pool(self.reward_workers).score(requests, self.reward_timeout_s)
+
+    def warm_up(self) -> None:
+        """Start the scoring workers and build this dataset's scorer in them, in the background (it imports
+        reasoning-gym there: seconds of CPU better spent while the trainer loads its model)."""
+        setup = ScoreRequest("reasoning_gym", (), "", setup=(self.name, self.kwargs))
+        shared_pool(self.reward_workers).warm_up([setup])
 
     def reward(self, problem: Problem, completion: str) -> float:
         """:meth:`score` of one completion."""

@@ -22,7 +22,7 @@ from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, Roll
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu
-from vcpo.tasks import make_task
+from vcpo.tasks import make_task, prepare_scoring
 from vcpo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from vcpo.train.learner import Learner
 from vcpo.train.sft import evaluate_accuracy, warm_start
@@ -101,9 +101,10 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml")
     seed_everything(config.seed)
+    task = make_task(config.task)
+    prepare_scoring(task)  # the sandboxed scorer starts while the model loads
     model_path = warm_start(config)
     model, tokenizer = load_policy(model_path, config.model.dtype)
-    task = make_task(config.task)
     learner = Learner(model, config)
     eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
 
