@@ -119,25 +119,27 @@ def test_hostile_completions_are_contained_and_scoring_continues(insertion, tmp_
     assert task.reward(problem, problem.answer) == 1.0
 
 
-@pytest.mark.parametrize(("question", "condition"), [
-    ("nothing of the caller's environment", "not {'VCPO_TEST_SECRET', 'PATH', 'HOME'} & set(__import__('os').environ)"),
-    ("it runs as an unprivileged uid of its own", f"__import__('os').getuid() >= {UID_BASE}"),
-    ("it has no network", "not __import__('socket').if_nameindex() or "
-                          "all(n == 'lo' for _, n in __import__('socket').if_nameindex())"),
-    ("its parent's files are read-only", "not __import__('os').access('/tmp', __import__('os').W_OK)"),
-])
-def test_what_the_scorer_sees_from_inside(insertion, monkeypatch, question, condition):
+INSIDE = {  # question -> a condition that holds inside the scorer exactly when the answer is yes
+    "nothing of the caller's environment": "not {'VCPO_TEST_SECRET', 'PATH', 'HOME'} & set(__import__('os').environ)",
+    "an unprivileged uid of its own": f"__import__('os').getuid() >= {UID_BASE}",
+    "no network": "all(n == 'lo' for _, n in __import__('socket').if_nameindex())",
+    "the caller's files are read-only": "not __import__('os').access('/tmp', __import__('os').W_OK)",
+}
+
+
+def test_what_the_scorer_sees_from_inside(insertion, monkeypatch):
     task, problem = insertion
-    if os.geteuid() != 0 and "uid" in question:
-        pytest.skip("a dedicated uid needs root (docs/sandbox.md)")
     monkeypatch.setenv("VCPO_TEST_SECRET", "hunter2")
     pool = ScoringPool(1)  # started after the secret was set
     try:
-        request = ScoreRequest("reasoning_gym", (problem.metadata["entry"],), oracle_if(problem, condition),
-                               setup=(task.name, task.kwargs))
-        assert pool.score([request])[0].reward == 0.1, question
+        requests = [ScoreRequest("reasoning_gym", (problem.metadata["entry"],), oracle_if(problem, condition),
+                                 setup=(task.name, task.kwargs)) for condition in INSIDE.values()]
+        answers = dict(zip(INSIDE, (o.reward == 0.1 for o in pool.score(requests)), strict=True))
     finally:
         pool.close()
+    if os.geteuid() != 0:  # a dedicated uid needs root (docs/sandbox.md)
+        answers.pop("an unprivileged uid of its own")
+    assert all(answers.values()), answers
 
 
 def test_a_fork_bomb_is_capped_and_swept_after_its_batch(insertion):
