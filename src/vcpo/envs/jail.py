@@ -93,10 +93,10 @@ def _supervise(spec: dict, child: int, uid: int | None, pidns: bool, status_r: i
     """Wait for the payload (or init); on SIGTERM from the caller kill everything first. Exit as it did."""
 
     def stop(*_):
+        kill_quietly(child)
         try:
-            os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
-        except (ProcessLookupError, ChildProcessError):
+        except ChildProcessError:
             pass
         _sweep(uid, pidns)
         os._exit(128 + signal.SIGKILL)
@@ -138,16 +138,26 @@ def _sweep(uid: int | None, pidns: bool) -> None:
         if not mine:
             break
         for pid in mine:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        except ChildProcessError:
-            pass
+            kill_quietly(pid)
+        reap_exited()
         time.sleep(0.005)
+
+
+def kill_quietly(pid: int) -> None:
+    """SIGKILL ``pid`` (-1: every process this uid may signal but the caller); gone already is fine."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def reap_exited() -> None:
+    """Collect every child that has exited, without waiting for the others (no zombies left)."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
 
 
 def _descendants(root: int) -> list[int]:

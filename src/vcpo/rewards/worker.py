@@ -14,9 +14,8 @@ import gc
 import math
 import os
 import resource
-import signal
 
-from vcpo.envs.jail import UID_BASE
+from vcpo.envs.jail import UID_BASE, kill_quietly, reap_exited
 from vcpo.rewards import scorers
 from vcpo.rewards.protocol import ANSWER_MAX_BYTES, decode_answer, encode_answer, encode_frame, read_frame
 
@@ -57,10 +56,7 @@ class _Child:
         return answered
 
     def stop(self) -> None:
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_quietly(self.pid)
         os.waitpid(self.pid, 0)
         os.close(self.items_w)
         os.close(self.answers_r)
@@ -134,17 +130,9 @@ def _sweep() -> None:
     Only as the sandbox's own uid (UID_BASE + n), where kill(-1) reaches this sandbox's processes and no
     others; running as the caller's uid (the fallback) it would reach the caller.
     """
-    if os.getuid() < UID_BASE:
-        return
-    try:
-        os.kill(-1, signal.SIGKILL)  # every process this uid may signal, except the caller of kill()
-    except ProcessLookupError:
-        pass
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-    except ChildProcessError:
-        pass
+    if os.getuid() >= UID_BASE:
+        kill_quietly(-1)
+        reap_exited()
 
 
 def _score_one(scorer: str, setup: tuple, args: tuple, completion: str) -> tuple[float, str]:
