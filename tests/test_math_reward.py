@@ -97,6 +97,11 @@ def test_batch_api_and_its_errors():
         math_rewards(["1", "2"], ["1"])
 
 
+def test_input_length_is_capped_to_the_tail():
+    assert math_reward("blah " * 40_000 + r"so \boxed{7}", "7") == 1.0  # 200 kB: scored on its last 16,384 chars
+    assert math_reward(r"\boxed{7}" + " and so on" * 2_000, "7") == 0.0  # the answer fell outside the cap
+
+
 def test_code_in_an_answer_does_not_run_here(tmp_path):
     marker = tmp_path / "ran"
     completion = rf"\boxed{{__import__('os').system('touch {marker}')}}"

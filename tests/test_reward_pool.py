@@ -175,14 +175,16 @@ def test_many_threads_at_once():
 
 
 def test_workers_die_with_their_parent_and_leave_nothing(tmp_path):
-    """A process that scores then is SIGKILLed: its workers' trees go too. (The pool holds no shared memory:
-    /dev/shm is shared with whatever else runs on the machine, so it is checked by hand, see RESULTS.md.)"""
+    """A process that scores then is SIGKILLed: its workers' trees go too, and their working directories. (The
+    pool holds no shared memory; /dev/shm is shared with whatever else runs here, so it is checked by hand.)"""
     script = ("import sys, time\nfrom vcpo.rewards import ScoringPool, ScoreRequest\npool = ScoringPool(2)\n"
               "pool.score([ScoreRequest('math', ('1',), '1'), ScoreRequest('math', ('2',), '2')])\n"
-              "print(*[w.jail.pid for w in pool._all], flush=True)\ntime.sleep(60)\n")
+              "print(*[w.jail.pid for w in pool._all], flush=True)\n"
+              "print(*[w.jail.workdir for w in pool._all], flush=True)\ntime.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         supervisors = [int(p) for p in proc.stdout.readline().split()]
+        workdirs = proc.stdout.readline().split()
         uids = {UID_BASE + p for p in supervisors}
         assert len(supervisors) == 2 and all(os.path.exists(f"/proc/{p}") for p in supervisors)
     finally:
@@ -197,6 +199,7 @@ def test_workers_die_with_their_parent_and_leave_nothing(tmp_path):
     while time.monotonic() < deadline and left():
         time.sleep(0.05)
     assert left() == []
+    assert not any(os.path.exists(d) for d in workdirs)  # the supervisors removed them on their way out
 
 
 def test_close_stops_everything():

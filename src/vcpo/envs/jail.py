@@ -3,8 +3,9 @@
 :mod:`vcpo.envs.isolation` runs this file as ``python -I -S jail.py SPEC`` (a marshalled dict, hex-encoded) with
 an empty environment, so it uses the standard library only, and few modules of it: their import time is part of
 every run's start-up. The process tree: this *supervisor* (in the caller's PID namespace, killable by
-the caller) -> with namespaces, an *init* (PID 1 of a new PID namespace; when it dies the kernel kills every
-process inside) -> the *payload* process (unprivileged, limited) that runs the untrusted work.
+the caller, and the one that cleans up) -> with namespaces, an *init* (PID 1 of a new PID namespace, in a mount
+namespace of its own; when it dies the kernel kills every process inside) -> the *payload* process (unprivileged,
+limited) that runs the untrusted work.
 """
 
 from __future__ import annotations
@@ -60,15 +61,16 @@ def _load_landlock():
 
 def main() -> None:
     spec = marshal.loads(bytes.fromhex(sys.argv[1]))
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the caller dies -> so do we (and, through init, the namespace)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # the caller dies -> we kill the tree, clean up and exit
     if os.getppid() != spec["parent_pid"]:  # it died before the line above
         os._exit(EXIT_SETUP)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     report = {"isolation": [], "uid": os.getuid()}
     if spec["namespaces"]:
         try:
-            _check(_libc.unshare(CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
-            report["isolation"] += ["pid-namespace", "net-namespace", "ipc-namespace", "mount-namespace"]
+            # the mount namespace is init's alone: here, the working directory can be removed afterwards
+            _check(_libc.unshare(CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+            report["isolation"] += ["pid-namespace", "net-namespace", "ipc-namespace"]
         except (OSError, AttributeError) as exc:
             report["namespace_error"] = str(exc)
     pidns = "pid-namespace" in report["isolation"]
@@ -90,7 +92,8 @@ def main() -> None:
 
 
 def _supervise(spec: dict, child: int, uid: int | None, pidns: bool, status_r: int) -> None:
-    """Wait for the payload (or init); on SIGTERM from the caller kill everything first. Exit as it did."""
+    """Wait for the payload (or init), then kill what it left and remove the working directory; on SIGTERM (the
+    caller's deadline, or the caller's death) do that at once. Exit as the payload did."""
 
     def stop(*_):
         kill_quietly(child)
@@ -99,6 +102,7 @@ def _supervise(spec: dict, child: int, uid: int | None, pidns: bool, status_r: i
         except ChildProcessError:
             pass
         _sweep(uid, pidns)
+        _remove_tree(spec["workdir"])
         os._exit(128 + signal.SIGKILL)
 
     signal.signal(signal.SIGTERM, stop)
@@ -112,6 +116,7 @@ def _supervise(spec: dict, child: int, uid: int | None, pidns: bool, status_r: i
         status = int(relayed)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _sweep(uid, pidns)
+    _remove_tree(spec["workdir"])
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         signal.signal(sig, signal.SIG_DFL)
@@ -141,6 +146,21 @@ def _sweep(uid: int | None, pidns: bool) -> None:
             kill_quietly(pid)
         reap_exited()
         time.sleep(0.005)
+
+
+def _remove_tree(path: str) -> None:
+    """``rm -rf path``, best effort (the caller tries again), without shutil: its import would slow every start.
+    Links are removed, never followed; nothing runs in the sandbox any more when this runs."""
+    try:
+        for root, dirs, files in os.walk(path, topdown=False):
+            for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+                os.unlink(os.path.join(root, name))
+            for name in dirs:
+                if not os.path.islink(os.path.join(root, name)):
+                    os.rmdir(os.path.join(root, name))
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def kill_quietly(pid: int) -> None:
@@ -181,7 +201,9 @@ def _descendants(root: int) -> list[int]:
 def _child(spec: dict, report: dict, uid: int | None, status_w: int | None) -> None:
     """In the new namespaces: set up the filesystem, then (as init) fork the payload, or be the payload."""
     try:
-        if "mount-namespace" in report["isolation"]:
+        if status_w is not None:  # PID 1 of the new namespace: give it a mount namespace of its own too
+            _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+            report["isolation"].append("mount-namespace")
             _setup_mounts(spec, uid)
             report["isolation"].append("read-only-filesystem")
         payload = os.fork() if status_w is not None else 0
