@@ -170,7 +170,8 @@ class ScoringPool:
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="vcpo-reward")  # long-lived: see _run
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
-        self._warmed = False
+        self._setups: dict[str, ScoreRequest] = {}  # every scorer setup asked for: each worker prepares them all
+        self._started = False
         self.closed = False
 
     def score(self, requests: list[ScoreRequest], timeout_s: float = 5.0) -> list[RewardOutcome]:
@@ -184,30 +185,26 @@ class ScoringPool:
             raise ValueError(f"timeout_s must be > 0 (got {timeout_s!r})")
         if not requests:
             return []
-        self._warm()
         n = min(self.workers, len(requests))
         bounds = [len(requests) * i // n for i in range(n + 1)]
         futures = [self._executor.submit(self._run, requests[a:b], timeout_s) for a, b in itertools.pairwise(bounds)]
+        self.warm_up(requests)  # queued after the chunks: the workers they leave idle get ready meanwhile
         outcomes = [o for f in futures for o in f.result()]
         with self._lock:
             self._counts.update(o.status for o in outcomes)
         return outcomes
 
-    def _warm(self) -> None:
-        """On first use, start every worker at once; errors surface in ``score``."""
-        with self._lock:
-            if self._warmed:
-                return
-            self._warmed = True
-        self.warm_up([])
-
     def warm_up(self, requests: list[ScoreRequest]) -> None:
         """Start every worker and prepare the scorer setups of ``requests`` in each, in the background (returns at
-        once), so that the first real batch finds them ready. Failures surface at the next ``score``."""
+        once), so that later batches find them ready. Failures surface at the next ``score``."""
         with self._lock:
-            self._warmed = True
-        for _ in self._all:
-            self._executor.submit(self._run, requests, None)
+            new = {k: ScoreRequest(r.scorer, (), "", r.setup)
+                   for k, r in ((setup_key(r.scorer, r.setup), r) for r in requests) if k not in self._setups}
+            self._setups.update(new)
+            first_use, self._started = not self._started, True
+        if new or first_use:
+            for _ in self._all:
+                self._executor.submit(self._run, list(self._setups.values()), None)
 
     def _run(self, requests: list[ScoreRequest], timeout_s: float | None) -> list[RewardOutcome]:
         # Runs on the pool's own threads: a worker's parent-death signal follows the thread that started it, so
@@ -235,6 +232,7 @@ class ScoringPool:
     def _revive(self, worker: _Worker) -> None:
         try:
             worker.start()
+            worker.prepare(list(self._setups.values()))
         finally:  # a failed start surfaces at the next score(), which tries again
             self._idle.put(worker)
 
