@@ -225,3 +225,16 @@ def _uid(pid: str) -> int | None:
         return os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return None
+
+
+def test_the_fallback_without_namespaces_scores_and_cuts_hangs(insertion):
+    task, problem = insertion
+    pool = ScoringPool(1, namespaces=False)
+    try:
+        requests = [ScoreRequest("reasoning_gym", (problem.metadata["entry"],), c, setup=(task.name, task.kwargs))
+                    for c in (problem.answer, HANG, problem.answer)]
+        outcomes = pool.score(requests, timeout_s=1.0)
+        assert [(o.reward, o.status) for o in outcomes] == [(1.0, "ok"), (0.0, "timeout"), (1.0, "ok")]
+        assert "pid-namespace" not in pool._all[0].isolation and "rlimits" in pool._all[0].isolation
+    finally:
+        pool.close()
