@@ -1,4 +1,5 @@
-"""Shared test helpers: tiny batches built from explicit numbers; the command line in a child process."""
+"""Shared test helpers: tiny batches built from explicit numbers; the command line in a child process;
+finding processes a sandbox left behind."""
 
 from __future__ import annotations
 
@@ -43,3 +44,28 @@ def vcpo(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise AssertionError(f"vcpo {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc
+
+
+def processes_with(marker: str) -> list[int]:
+    """PIDs of live (non-zombie) processes whose command line holds ``marker``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmdline and state != b"Z":
+            found.append(int(pid))
+    return found
+
+
+def sleeper_code(marker: str, detach: bool) -> str:
+    """A program that leaves a 60 s sleeper behind (after setsid and a double fork when ``detach``)."""
+    spawn = f'os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", "{marker}"])'
+    if detach:
+        return ("import os, sys\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                f"        {spawn}\n    os._exit(0)\nos.wait()\n")
+    return f"import os, sys\nif os.fork() == 0:\n    {spawn}\n"

@@ -42,6 +42,7 @@ def test_each_mode_runs_and_logs_the_contract_keys(tmp_path, tiny, mode, k, extr
     for m in lines:
         assert REQUIRED_KEYS <= m.keys()
         assert m["staleness/max"] <= k
+        assert m["reward/errors"] == 0 and m["reward/timeouts"] == 0  # counted in every mode, async included
     assert {2, 4} <= {m["step"] for m in lines if "eval/accuracy" in m}
     if mode == "lagged":  # batch t comes from the weights of step t - k exactly
         assert [m["staleness/max"] for m in lines] == [0, 1, 2, 2]

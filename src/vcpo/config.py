@@ -36,6 +36,11 @@ class TaskConfig(_Strict):
     """Passed to the reasoning-gym dataset config (e.g. digit counts)."""
     eval_size: int = Field(200, gt=0)
     """Held-out problems for ``eval/accuracy`` (a separate seed from the training stream)."""
+    reward_timeout_s: float = Field(5.0, gt=0, le=3600)
+    """Wall-clock limit per scored completion; past it the sandboxed scorer is killed and the reward is 0."""
+    reward_workers: int = Field(1, gt=0, le=64)
+    """Sandboxed scoring processes per process that scores (the trainer; each async rollout worker). Each
+    costs a second or more of CPU to import its scorer's libraries; more help when scoring is slow."""
 
 
 class SFTConfig(_Strict):

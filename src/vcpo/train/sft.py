@@ -23,7 +23,7 @@ from vcpo.config import Config
 from vcpo.models import default as default_model
 from vcpo.models.loading import load_policy
 from vcpo.rollout.engine import HFRolloutEngine
-from vcpo.tasks import Task, make_task
+from vcpo.tasks import Task, make_task, score_completions
 from vcpo.types import Problem, SamplingParams
 
 FORMAT_VERSION = 1  # bump when the model, tokenizer, prompt format or training recipe changes
@@ -202,6 +202,6 @@ def evaluate_accuracy(
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
         completions = greedy_completions(model, tokenizer, [p.prompt for p in chunk], max_new_tokens)
-        correct += sum(task.reward(p, c) == 1.0 for p, c in zip(chunk, completions, strict=True))
+        correct += sum(o.reward == 1.0 for o in score_completions(task, chunk, completions))
     model.train(was_training)
     return correct / len(problems)

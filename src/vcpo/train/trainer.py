@@ -22,7 +22,7 @@ from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, Roll
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu
-from vcpo.tasks import make_task
+from vcpo.tasks import make_task, prepare_scoring
 from vcpo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from vcpo.train.learner import Learner
 from vcpo.train.sft import evaluate_accuracy, warm_start
@@ -38,7 +38,9 @@ def seed_everything(seed: int) -> None:
 
 
 def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[str, float]:
-    """Reward, group-variance and length statistics of the trajectories a step trains on."""
+    """Reward, group-variance and length statistics of the trajectories a step trains on, and how many of their
+    rewards are zeros the scorer forced: ``reward/errors`` (it raised or its process crashed), ``reward/timeouts``
+    (killed at ``task.reward_timeout_s``)."""
     rewards = torch.tensor([t.reward for t in trajectories])
     by_group: dict[int, list[float]] = {}
     for t in trajectories:
@@ -49,6 +51,8 @@ def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std(unbiased=False)),
         "reward/zero_var_group_frac": zero_var / max(len(by_group), 1),
+        "reward/errors": float(sum(t.reward_status in ("error", "crash") for t in trajectories)),
+        "reward/timeouts": float(sum(t.reward_status == "timeout" for t in trajectories)),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/truncated_frac": float(sum(not t.finished for t in trajectories) / len(trajectories)),
@@ -80,7 +84,8 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
             worker_id=0, model_path=str(model_path), dtype=config.model.dtype, task_name=config.task.name,
             task_kwargs=dict(config.task.kwargs), seed=config.seed, prompts_per_step=rc.prompts_per_step,
             group_size=rc.group_size, sampling=sampling, inflight_updates=config.async_.inflight_updates,
-            torch_threads=config.runtime.torch_threads,
+            torch_threads=config.runtime.torch_threads, reward_timeout_s=config.task.reward_timeout_s,
+            reward_workers=config.task.reward_workers,
         )
         return AsyncSource(learner.model, spec, config.async_.num_workers, config.async_.generation_bound(),
                            config.async_.drop_older_than, start_version=learner.version)
@@ -109,9 +114,10 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml")
     seed_everything(config.seed)
+    task = make_task(config.task)
+    prepare_scoring(task)  # the sandboxed scorer starts while the model loads
     model_path = warm_start(config)
     model, tokenizer = load_policy(model_path, config.model.dtype)
-    task = make_task(config.task)
     learner = Learner(model, config)
     eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
 
