@@ -1,8 +1,13 @@
-"""Shared test helpers: tiny batches built from explicit numbers."""
+"""Shared test helpers: tiny batches built from explicit numbers; the command line in a child process;
+finding processes a sandbox left behind."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -31,3 +36,40 @@ def make_inputs(lp, blp, adv, mask=None, **extra) -> tuple[ObjectiveInputs, torc
 
 
 LN2 = math.log(2.0)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def vcpo(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m vcpo.cli ARGS`` from the repository root, offline, one thread; raises on failure if ``check``."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "vcpo.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"vcpo {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def processes_with(marker: str) -> list[int]:
+    """PIDs of live (non-zombie) processes whose command line holds ``marker``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmdline and state != b"Z":
+            found.append(int(pid))
+    return found
+
+
+def sleeper_code(marker: str, detach: bool) -> str:
+    """A program that leaves a 60 s sleeper behind (after setsid and a double fork when ``detach``)."""
+    spawn = f'os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", "{marker}"])'
+    if detach:
+        return ("import os, sys\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                f"        {spawn}\n    os._exit(0)\nos.wait()\n")
+    return f"import os, sys\nif os.fork() == 0:\n    {spawn}\n"

@@ -56,6 +56,7 @@ class Trajectory:
     finished: bool
     sampling: SamplingParams
     response_text: str = ""
+    reward_status: str = "ok"  # how the reward came about: ok, error, crash or timeout (vcpo.rewards.pool)
 
     @property
     def min_version(self) -> int:

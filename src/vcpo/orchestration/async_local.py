@@ -41,6 +41,8 @@ class WorkerSpec:
     sampling: SamplingParams
     inflight_updates: bool
     torch_threads: int = 1
+    reward_timeout_s: float = 5.0
+    reward_workers: int = 1
 
 
 def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, lock, tickets, results, stop) -> None:
@@ -52,13 +54,15 @@ def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, l
     from vcpo.models.loading import load_policy
     from vcpo.rollout.collect import collect_groups
     from vcpo.rollout.engine import HFRolloutEngine
-    from vcpo.tasks import make_task
+    from vcpo.tasks import make_task, prepare_scoring
 
     hf_logging.disable_progress_bar()
+    task = make_task(TaskConfig(name=spec.task_name, kwargs=spec.task_kwargs, reward_timeout_s=spec.reward_timeout_s,
+                                reward_workers=spec.reward_workers))
+    prepare_scoring(task)  # the sandboxed scorer starts while the model loads
     model, tokenizer = load_policy(spec.model_path, spec.dtype, spec.device)
     engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1,
                              lm_head_fp32=spec.lm_head_fp32)
-    task = make_task(TaskConfig(name=spec.task_name, kwargs=spec.task_kwargs))
     stream = ProblemStream(task, spec.seed, spec.prompts_per_step)
 
     def poll() -> tuple[int, dict[str, torch.Tensor]] | None:

@@ -24,7 +24,7 @@ from vcpo.models import default as default_model
 from vcpo.models.loading import load_policy
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import resolve_device
-from vcpo.tasks import Task, make_task
+from vcpo.tasks import Task, make_task, score_completions
 from vcpo.types import Problem, SamplingParams
 
 FORMAT_VERSION = 1  # bump when the model, tokenizer, prompt format or training recipe changes
@@ -32,6 +32,11 @@ IGNORE_INDEX = -100  # label of prompt and padding positions: no loss there
 SUMMARY_FILE = "sft.json"
 
 console = Console()
+
+
+def sft_seed(config: Config) -> int:
+    """The seed of the warm start: ``sft.seed``, or the run's ``seed`` when that is unset."""
+    return config.seed if config.sft.seed is None else config.sft.seed
 
 
 def cache_key(config: Config) -> str:
@@ -43,7 +48,7 @@ def cache_key(config: Config) -> str:
         "steps": config.sft.steps,
         "batch_size": config.sft.batch_size,
         "lr": config.sft.lr,
-        "seed": config.seed,
+        "seed": sft_seed(config),
         "architecture": [
             default_model.HIDDEN_SIZE,
             default_model.NUM_LAYERS,
@@ -91,17 +96,22 @@ def warm_start(config: Config) -> Path:
 
 def _build_and_train(config: Config, task: Task, out_dir: Path, say: Any) -> dict[str, Any]:
     """Build the default model in ``out_dir``, fine-tune and save it there; returns a summary for ``sft.json``."""
-    default_model.build_default_model(task, config.seed, out_dir)
+    seed = sft_seed(config)
+    default_model.build_default_model(task, seed, out_dir)
     model, tokenizer = load_policy(out_dir, device=resolve_device(config.model.device))
     start = time.perf_counter()
-    problems = task.problems("train", config.sft.steps * config.sft.batch_size, config.seed)
-    train_sft(model, tokenizer, problems, config.sft.steps, config.sft.batch_size, config.sft.lr, say)
+    problems = task.problems("train", config.sft.steps * config.sft.batch_size, seed)
+    losses = train_sft(model, tokenizer, problems, config.sft.steps, config.sft.batch_size, config.sft.lr, say)
     train_s = time.perf_counter() - start
-    eval_problems = task.problems("eval", config.task.eval_size, config.seed)
+    eval_problems = task.problems("eval", config.task.eval_size, seed)
     accuracy = evaluate_accuracy(model, tokenizer, task, eval_problems, config.rollout.max_new_tokens)
     say(f"[green]sft[/green] {train_s:.1f}s, greedy accuracy {accuracy:.3f} on {len(eval_problems)} eval problems")
     model.save_pretrained(out_dir, safe_serialization=True)
-    return {"eval_accuracy": accuracy, "train_s": round(train_s, 2), **config.sft.model_dump(exclude={"cache_dir"})}
+    # The recipe, so a pinned copy of this directory says what built it (and `vcpo sweep` can check the task).
+    return {"eval_accuracy": accuracy, "eval_size": len(eval_problems), "train_s": round(train_s, 2),
+            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+            **config.sft.model_dump(exclude={"cache_dir"}), "seed": seed,
+            "task": {"name": config.task.name, "kwargs": config.task.kwargs}}
 
 
 def train_sft(
@@ -199,6 +209,6 @@ def evaluate_accuracy(
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
         completions = greedy_completions(model, tokenizer, [p.prompt for p in chunk], max_new_tokens, lm_head_fp32)
-        correct += sum(task.reward(p, c) == 1.0 for p, c in zip(chunk, completions, strict=True))
+        correct += sum(o.reward == 1.0 for o in score_completions(task, chunk, completions))
     model.train(was_training)
     return correct / len(problems)

@@ -22,7 +22,7 @@ from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, Roll
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu, resolve_device
-from vcpo.tasks import make_task
+from vcpo.tasks import make_task, prepare_scoring
 from vcpo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from vcpo.train.learner import Learner
 from vcpo.train.sft import evaluate_accuracy, warm_start
@@ -38,7 +38,9 @@ def seed_everything(seed: int) -> None:
 
 
 def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[str, float]:
-    """Reward, group-variance and length statistics of the trajectories a step trains on."""
+    """Reward, group-variance and length statistics of the trajectories a step trains on, and how many of their
+    rewards are zeros the scorer forced: ``reward/errors`` (it raised or its process crashed), ``reward/timeouts``
+    (killed at ``task.reward_timeout_s``)."""
     rewards = torch.tensor([t.reward for t in trajectories])
     by_group: dict[int, list[float]] = {}
     for t in trajectories:
@@ -49,6 +51,8 @@ def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std(unbiased=False)),
         "reward/zero_var_group_frac": zero_var / max(len(by_group), 1),
+        "reward/errors": float(sum(t.reward_status in ("error", "crash") for t in trajectories)),
+        "reward/timeouts": float(sum(t.reward_status == "timeout" for t in trajectories)),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/truncated_frac": float(sum(not t.finished for t in trajectories) / len(trajectories)),
@@ -57,6 +61,19 @@ def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[
 
 
 def make_source(config: Config, learner: Learner, tokenizer, task, model_path: Path) -> RolloutSource:
+    """The run's rollout source: sync, lagged or async, wrapped in TBA's replay buffer when it is on."""
+    source = _generating_source(config, learner, tokenizer, task, model_path)
+    replay = config.async_.replay
+    if not replay.enabled:
+        return source
+    from vcpo.orchestration.replay import ReplayBuffer, ReplaySource
+
+    buffer = ReplayBuffer(replay.capacity, replay.recent_fraction, replay.priority_inv_temp, replay.max_uses,
+                          max_age=config.async_.max_staleness, seed=config.seed)
+    return ReplaySource(source, buffer, replay.groups_per_step or config.rollout.prompts_per_step)
+
+
+def _generating_source(config: Config, learner: Learner, tokenizer, task, model_path: Path) -> RolloutSource:
     rc = config.rollout
     sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens)
     mode = config.async_.mode
@@ -68,9 +85,10 @@ def make_source(config: Config, learner: Learner, tokenizer, task, model_path: P
             lm_head_fp32=config.model.lm_head_fp32, task_name=config.task.name,
             task_kwargs=dict(config.task.kwargs), seed=config.seed, prompts_per_step=rc.prompts_per_step,
             group_size=rc.group_size, sampling=sampling, inflight_updates=config.async_.inflight_updates,
-            torch_threads=config.runtime.torch_threads,
+            torch_threads=config.runtime.torch_threads, reward_timeout_s=config.task.reward_timeout_s,
+            reward_workers=config.task.reward_workers,
         )
-        return AsyncSource(learner.model, spec, config.async_.num_workers, config.async_.max_staleness,
+        return AsyncSource(learner.model, spec, config.async_.num_workers, config.async_.generation_bound(),
                            config.async_.drop_older_than, start_version=learner.version)
     engine = HFRolloutEngine(learner.model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
                              lm_head_fp32=config.model.lm_head_fp32)
@@ -78,7 +96,7 @@ def make_source(config: Config, learner: Learner, tokenizer, task, model_path: P
                          rc.group_size, config.seed)
     if mode == "sync":
         return SyncSource(engine, ctx)
-    return LaggedSource(engine, ctx, config.async_.max_staleness)
+    return LaggedSource(engine, ctx, config.async_.generation_bound())
 
 
 def _progress(enabled: bool) -> Progress:
@@ -99,9 +117,10 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml")
     seed_everything(config.seed)
+    task = make_task(config.task)
+    prepare_scoring(task)  # the sandboxed scorer starts while the model loads
     model_path = warm_start(config)
     model, tokenizer = load_policy(model_path, config.model.dtype, device)
-    task = make_task(config.task)
     learner = Learner(model, config)
     eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
 
@@ -144,7 +163,8 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
             _progress(config.logging.progress) as bar,
         ):
             task_id = bar.add_task("train", total=tc.max_steps, completed=learner.version, info="")
-            while learner.version < tc.max_steps:
+            last = False
+            while not last and learner.version < tc.max_steps:
                 t0 = time.perf_counter()
                 trajectories = source.next_batch(learner.version)
                 t_rollout = time.perf_counter() - t0
@@ -154,7 +174,9 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
                 source.publish(model, learner.version)
                 metrics |= source.metrics()
                 step = learner.version
-                if step == tc.max_steps or (tc.eval_every and step % tc.eval_every == 0):
+                elapsed_s = time.perf_counter() - start
+                last = step == tc.max_steps or (tc.max_time_s is not None and elapsed_s >= tc.max_time_s)
+                if last or (tc.eval_every and step % tc.eval_every == 0):
                     last_accuracy = metrics["eval/accuracy"] = evaluate()
                 if step == 1:
                     metrics["eval/accuracy_initial"] = initial_accuracy
@@ -163,7 +185,7 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
                 bar.update(task_id, completed=step, info=(
                     f"reward {metrics['reward/mean']:.2f}  ess {metrics['ess/ratio']:.2f}  "
                     f"stale {metrics['staleness/max']:.0f}  acc {last_accuracy:.2f}"))
-                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.max_steps:
+                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and not last:
                     checkpoint()
             checkpoint()
     except BaseException:
