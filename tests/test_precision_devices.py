@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -14,10 +15,13 @@ import transformers
 from test_e2e_cli import vcpo
 from test_micro_batches import BATCH, MODEL
 from vcpo.config import ConfigError, load_config
+from vcpo.objectives import ObjectiveInputs, get_objective, list_objectives
+from vcpo.rollout import HFRolloutEngine
 from vcpo.runtime import resolve_device
 from vcpo.train.checkpoint import load_checkpoint, save_checkpoint
 from vcpo.train.learner import Learner
 from vcpo.train.precision import LearnerOptimizer
+from vcpo.types import SamplingParams
 
 BF16 = torch.bfloat16
 
@@ -167,3 +171,38 @@ def test_options_a_model_cannot_honour_are_one_config_error(key, named):
 
     with pytest.raises(ConfigError, match=named):
         Learner(ScaledLogits(), load_config(None, [key]))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["objective.name=grpo", "advantage.estimator=grpo"],
+    ["objective.name=vcpo"],
+    ["objective.name=ppo_clip", "trainer.micro_batch_tokens=24", "trainer.gradient_checkpointing=true"],
+    ["objective.name=bapo", "advantage.grad_norm_method=exact", "trainer.micro_batch_tokens=24"],
+    ["objective.name=tb", "trainer.micro_batch_tokens=24", "model.lm_head_fp32=true"],
+], ids=["grpo", "vcpo_fast", "micro_ckpt", "two_pass_exact", "tb_fp32_head"])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_every_tensor_follows_its_inputs_device(overrides, dtype):
+    """CUDA's crash of the issue (a quantile's q tensor built on the CPU) on a CPU machine: with the default device
+    set to "meta", any tensor created without a device lands there and mixing it with the CPU inputs fails. A
+    learner step (and the engine, and every objective within) must create nothing there."""
+    step_learner = learner(overrides, dtype)
+    step_learner.logprobs(BATCH, grad=False)  # split_head's one-time check runs a forward: outside the context
+    fp32_head = step_learner.config.model.lm_head_fp32
+    engine = HFRolloutEngine(step_learner.model, eos_id=1, pad_id=0, lm_head_fp32=fp32_head)
+    engine.generate([[3]], SamplingParams(max_new_tokens=1))  # its float32 head copy, made outside
+    with torch.device("meta"):
+        metrics = step_learner.step(BATCH)
+        gens = engine.generate([[3, 4], [5]], SamplingParams(max_new_tokens=4), generator=torch.Generator())
+    assert math.isfinite(metrics["grad_norm"]) and len(gens) == 2
+
+
+@pytest.mark.parametrize("objective", list_objectives())
+def test_every_objective_creates_its_tensors_on_its_inputs_device(objective):
+    g = torch.Generator().manual_seed(0)
+    lp = (-torch.rand(6, 5, generator=g)).requires_grad_()
+    inp = ObjectiveInputs(logprobs=lp, behavior_logprobs=lp.detach() + 0.3 * torch.randn(6, 5, generator=g),
+                          advantages=torch.randn(6, generator=g), mask=torch.ones(6, 5),
+                          rewards=torch.rand(6, generator=g), group_ids=torch.tensor([0, 0, 0, 1, 1, 1]))
+    with torch.device("meta"):  # see test_every_tensor_follows_its_inputs_device
+        get_objective(objective)(inp).loss.backward()
+    assert lp.grad is not None and lp.grad.device.type == "cpu"

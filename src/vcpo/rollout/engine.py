@@ -96,10 +96,11 @@ def _left_pad(prompt_ids: list[list[int]], pad_id: int, device: torch.device) ->
     positions it would have unpadded, which is what the learner's right-padded recompute uses.
     """
     P = max(len(p) for p in prompt_ids)
-    input_ids_BP = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long)
-    attention_mask_BP = torch.zeros((len(prompt_ids), P), dtype=torch.long)
+    # Built on the host (one transfer), whatever the default device.
+    input_ids_BP = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long, device="cpu")
+    attention_mask_BP = torch.zeros((len(prompt_ids), P), dtype=torch.long, device="cpu")
     for b, prompt in enumerate(prompt_ids):
-        input_ids_BP[b, P - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        input_ids_BP[b, P - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device="cpu")
         attention_mask_BP[b, P - len(prompt) :] = 1
     position_ids_BP = (attention_mask_BP.cumsum(dim=-1) - 1).clamp(min=0)
     return input_ids_BP.to(device), attention_mask_BP.to(device), position_ids_BP.to(device)

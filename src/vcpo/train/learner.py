@@ -21,6 +21,7 @@ precision policy is vcpo.train.precision's.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -267,7 +268,7 @@ class Learner:
         grad_norm = self.optimizer.clip_grad_norm(tc.grad_clip)
         rho = metrics["ess/ratio"]
         scale = ess_lr_scale(rho, tc.ess_lr.reference, tc.ess_lr.rule) if tc.ess_lr.enabled else 1.0
-        finite = bool(torch.isfinite(torch.tensor(grad_norm)))
+        finite = math.isfinite(grad_norm)
         for group in self.optimizer.param_groups:  # set lr, step, restore (Adam would undo a grad scale)
             group["lr"] = tc.lr * scale
         if finite:
