@@ -60,6 +60,7 @@ def sft(
         import torch
 
         from vcpo.models.loading import load_policy
+        from vcpo.runtime import resolve_device
         from vcpo.study.provenance import warm_start_hash
         from vcpo.tasks import make_task
         from vcpo.train.sft import evaluate_accuracy, warm_start
@@ -67,10 +68,10 @@ def sft(
         cfg = _load(config, overrides)
         torch.set_num_threads(cfg.runtime.torch_threads)
         path = warm_start(cfg)
-        model, tokenizer = load_policy(path, cfg.model.dtype)
+        model, tokenizer = load_policy(path, cfg.model.dtype, resolve_device(cfg.model.device))
         task = make_task(cfg.task)
         acc = evaluate_accuracy(model, tokenizer, task, task.problems("eval", cfg.task.eval_size, seed=cfg.seed),
-                                cfg.rollout.max_new_tokens)
+                                cfg.rollout.max_new_tokens, lm_head_fp32=cfg.model.lm_head_fp32)
         if save is not None:
             if save.exists():
                 raise FileExistsError(f"--save {str(save)!r} already exists")
@@ -110,14 +111,15 @@ def evaluate(
     """Greedy accuracy of a model on the held-out split of the configured task."""
     try:
         from vcpo.models.loading import load_policy
+        from vcpo.runtime import resolve_device
         from vcpo.tasks import make_task
         from vcpo.train.sft import evaluate_accuracy
 
         cfg = _load(config, overrides)
-        model, tokenizer = load_policy(model_path, cfg.model.dtype)
+        model, tokenizer = load_policy(model_path, cfg.model.dtype, resolve_device(cfg.model.device))
         task = make_task(cfg.task)
         acc = evaluate_accuracy(model, tokenizer, task, task.problems("eval", cfg.task.eval_size, seed=cfg.seed),
-                                cfg.rollout.max_new_tokens)
+                                cfg.rollout.max_new_tokens, lm_head_fp32=cfg.model.lm_head_fp32)
         print(json.dumps({"model": str(model_path), "task": cfg.task.name, "eval/accuracy": acc}))
     except _user_errors() as exc:
         _fail(exc)

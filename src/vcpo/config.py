@@ -6,6 +6,7 @@ bad value raises ``ConfigError`` with one line naming it. The resolved config is
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +26,19 @@ class ModelConfig(_Strict):
     path: str | None = None
     """A local Hugging Face model directory; None = the embedded default, warm-started by SFT."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    """The weights' compute dtype (float64 for numerical tests). With bfloat16 the optimizer keeps float32 master
+    weights; log-probs, importance weights, ESS, OPOB and objectives are float32 whatever the weights' dtype."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    lm_head_fp32: bool = False
+    """Compute the LM head's logits in float32 (engine and learner alike) from half-precision hidden states."""
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {v!r}")
+        return v
 
 
 class TaskConfig(_Strict):
@@ -105,6 +119,12 @@ class TrainerConfig(_Strict):
     max_time_s: float | None = Field(None, gt=0)
     """A wall-clock budget per invocation: the run ends (evaluated and checkpointed as at max_steps)
     after the first step that finishes past it. None = max_steps alone decides."""
+    micro_batch_tokens: int | None = Field(None, gt=0)
+    """Padded tokens per forward/backward (rows x longest row); None = the whole batch in one pass. The update
+    equals the full-batch one for every objective and loss_agg (docs/trainer.md, micro-batches)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (Hugging Face's
+    activation checkpointing); the fast OPOB capture pass keeps its activations regardless."""
 
 
 class ReplayConfig(_Strict):

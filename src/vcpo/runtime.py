@@ -1,4 +1,5 @@
-"""Process-wide CPU settings that every vcpo process (learner, rollout worker, benchmark) applies alike."""
+"""Process-wide settings that every vcpo process (learner, rollout worker, benchmark) applies alike: CPU threads,
+denormals and the allocator, and the device a config names."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import ctypes
 import sys
 
 import torch
+
+from vcpo.config import ConfigError
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
@@ -37,3 +40,18 @@ def configure_cpu(threads: int) -> None:
     # 10-100x slower on CPUs (measured: 27 s instead of 1.6 s for one OPOB gradient assembly).
     torch.set_flush_denormal(True)
     keep_freed_memory()
+
+
+def resolve_device(spec: str) -> torch.device:
+    """The torch device of ``model.device``: ``auto`` is ``cuda`` when CUDA is available, else ``cpu``.
+
+    A CUDA device that this machine does not have is a ``ConfigError`` naming the key."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"model.device={spec!r}: CUDA is not available on this machine (use auto or cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"model.device={spec!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device

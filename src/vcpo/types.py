@@ -87,6 +87,10 @@ class Batch:
         """The batch of rows ``index`` (a 1-D index tensor), in that order."""
         return Batch(**{name: value.index_select(0, index) for name, value in self.__dict__.items()})
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The batch with every tensor on ``device`` (tensors already there are not copied)."""
+        return Batch(**{name: value.to(device) for name, value in self.__dict__.items()})
+
     @classmethod
     def from_trajectories(cls, trajectories: list[Trajectory], pad_id: int) -> Batch:
         if not trajectories:

@@ -20,8 +20,8 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else exc.__class__.__name__
 
 
-def load_policy(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
-    """``(model, tokenizer)`` from a local directory, never touching the network.
+def load_policy(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a local directory, never touching the network; the model in ``dtype`` on ``device``.
 
     The tokenizer always has an EOS id and a pad id (pad falls back to EOS when the model has none).
     Raises :class:`ModelLoadError` for a missing path, a directory without ``config.json``, an unreadable
@@ -49,7 +49,7 @@ def load_policy(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
     except Exception as exc:
         raise ModelLoadError(f"model path {str(p)!r}: cannot load its tokenizer ({_first_line(exc)})") from None
     _ensure_eos_and_pad(tokenizer, model, p)
-    model.eval()
+    model.to(device).eval()
     return model, tokenizer
 
 

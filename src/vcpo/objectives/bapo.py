@@ -25,10 +25,11 @@ RATIO_REPORT_CAP = 1e6
 
 
 def bound_schedule(c_low: float, c_low_max: float, c_high: float, c_high_max: float,
-                   step_low: float, step_high: float) -> tuple[Tensor, Tensor]:
+                   step_low: float, step_high: float, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
     """The pairs the search visits, in order: c_low rises by ``step_low`` to ``c_low_max`` (c_high at
     its start), then c_high rises by ``step_high`` to ``c_high_max``; the last step of each stops at
-    the max. Values are ``start + j*step`` (not repeated additions) so they carry no drift."""
+    the max. Values are ``start + j*step`` (not repeated additions) so they carry no drift. Float64
+    tensors on ``device`` (that of the ratios they are compared with)."""
     def n_steps(start: float, stop: float, step: float) -> int:
         # The tolerance keeps (0.8 - 0.6) / 0.05 = 4.000000000000001 from adding a fifth, empty step.
         return max(math.ceil((stop - start) / step - 1e-9), 0)
@@ -42,7 +43,8 @@ def bound_schedule(c_low: float, c_low_max: float, c_high: float, c_high_max: fl
     highs = [min(c_high + j * step_high, c_high_max) for j in range(n_high + 1)]
     low_K = lows + [lows[-1]] * (len(highs) - 1)
     high_K = [highs[0]] * len(lows) + highs[1:]
-    return torch.tensor(low_K, dtype=torch.float64), torch.tensor(high_K, dtype=torch.float64)
+    return (torch.tensor(low_K, dtype=torch.float64, device=device),
+            torch.tensor(high_K, dtype=torch.float64, device=device))
 
 
 def resolve_steps(step: float | None, step_low: float | None, step_high: float | None) -> tuple[float, float]:
@@ -80,7 +82,7 @@ def contributions(ratio_N: Tensor, adv_N: Tensor, c_low_K: Tensor, c_high_K: Ten
     return p_K, n_K
 
 
-@register("bapo")
+@register("bapo", scope="batch")
 def bapo(
     inp: ObjectiveInputs,
     *,
@@ -127,7 +129,7 @@ def bapo(
     if dual_clip is not None:
         check_range("dual_clip", dual_clip, 1.0, None, low_open=True)
     steps = resolve_steps(step, step_low, step_high)
-    c_low_K, c_high_K = bound_schedule(c_low, c_low_max, c_high, c_high_max, *steps)
+    c_low_K, c_high_K = bound_schedule(c_low, c_low_max, c_high, c_high_max, *steps, device=inp.logprobs.device)
     m = inp.mask.bool()
     ratio_N = clamped_exp(proximal_log_ratio(inp).detach())[m].double()
     adv_N = inp.adv_BT[m].double()

@@ -14,7 +14,7 @@ from vcpo.objectives.registry import check_range, register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
 
-@register("m2po")
+@register("m2po", scope="batch")
 def m2po(
     inp: ObjectiveInputs,
     *,

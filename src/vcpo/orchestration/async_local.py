@@ -31,6 +31,8 @@ class WorkerSpec:
     worker_id: int
     model_path: str
     dtype: str
+    device: str
+    lm_head_fp32: bool
     task_name: str
     task_kwargs: dict[str, Any]
     seed: int
@@ -58,8 +60,9 @@ def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, l
     task = make_task(TaskConfig(name=spec.task_name, kwargs=spec.task_kwargs, reward_timeout_s=spec.reward_timeout_s,
                                 reward_workers=spec.reward_workers))
     prepare_scoring(task)  # the sandboxed scorer starts while the model loads
-    model, tokenizer = load_policy(spec.model_path, spec.dtype)
-    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1)
+    model, tokenizer = load_policy(spec.model_path, spec.dtype, spec.device)
+    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1,
+                             lm_head_fp32=spec.lm_head_fp32)
     stream = ProblemStream(task, spec.seed, spec.prompts_per_step)
 
     def poll() -> tuple[int, dict[str, torch.Tensor]] | None:
@@ -97,7 +100,8 @@ class AsyncSource:
                  drop_older_than: float | None, start_version: int = 0) -> None:
         ctx = mp.get_context("spawn")
         self.P = spec.prompts_per_step
-        self.shared = {k: v.detach().clone().share_memory_() for k, v in model.state_dict().items()}
+        # A host copy whatever the learner's device: workers copy from it onto theirs.
+        self.shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in model.state_dict().items()}
         self.version = ctx.Value("q", start_version)
         self.lock = ctx.Lock()
         self.tickets, self.results, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()

@@ -23,6 +23,7 @@ from vcpo.config import Config
 from vcpo.models import default as default_model
 from vcpo.models.loading import load_policy
 from vcpo.rollout.engine import HFRolloutEngine
+from vcpo.runtime import resolve_device
 from vcpo.tasks import Task, make_task, score_completions
 from vcpo.types import Problem, SamplingParams
 
@@ -97,7 +98,7 @@ def _build_and_train(config: Config, task: Task, out_dir: Path, say: Any) -> dic
     """Build the default model in ``out_dir``, fine-tune and save it there; returns a summary for ``sft.json``."""
     seed = sft_seed(config)
     default_model.build_default_model(task, seed, out_dir)
-    model, tokenizer = load_policy(out_dir)
+    model, tokenizer = load_policy(out_dir, device=resolve_device(config.model.device))
     start = time.perf_counter()
     problems = task.problems("train", config.sft.steps * config.sft.batch_size, seed)
     losses = train_sft(model, tokenizer, problems, config.sft.steps, config.sft.batch_size, config.sft.lr, say)
@@ -128,8 +129,9 @@ def train_sft(
     over the first 5% of steps, then constant. Constant rather than annealed on purpose: annealing to
     zero settles the model into a sharp minimum where every RL step hurts (measured on the default model:
     one policy-gradient step of L2 norm 0.03 cut greedy accuracy from 0.30 to 0.22 after cosine SFT).
-    Returns the loss of every step.
+    Returns the loss of every step. Runs on the model's device.
     """
+    device = next(model.parameters()).device
     warmup = max(1, steps // 20)
 
     def schedule(step: int) -> float:
@@ -143,7 +145,7 @@ def train_sft(
     start = time.perf_counter()
     for step in range(steps):
         chunk = problems[step * batch_size : (step + 1) * batch_size]
-        input_ids_BS, attention_mask_BS, labels_BS = _teacher_forcing_batch(tokenizer, chunk)
+        input_ids_BS, attention_mask_BS, labels_BS = (t.to(device) for t in _teacher_forcing_batch(tokenizer, chunk))
         loss = model(input_ids=input_ids_BS, attention_mask=attention_mask_BS, labels=labels_BS).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -178,19 +180,24 @@ def _teacher_forcing_batch(tokenizer: Any, problems: list[Problem]) -> tuple[tor
 
 
 @torch.no_grad()
-def greedy_completions(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int) -> list[str]:
+def greedy_completions(
+    model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, lm_head_fp32: bool = False
+) -> list[str]:
     """Greedy completions of ``prompts``, each cut at its first EOS, decoded by the rollout engine
     (one decode path for training and evaluation)."""
-    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                             lm_head_fp32=lm_head_fp32)
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     generations = engine.generate(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens), greedy=True)
     return [tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in generations]
 
 
 def evaluate_accuracy(
-    model: Any, tokenizer: Any, task: Task, problems: list[Problem], max_new_tokens: int, batch_size: int = 64
+    model: Any, tokenizer: Any, task: Task, problems: list[Problem], max_new_tokens: int, batch_size: int = 64,
+    lm_head_fp32: bool = False,
 ) -> float:
-    """Greedy accuracy: the fraction of ``problems`` whose greedy completion gets reward exactly 1.0.
+    """Greedy accuracy: the fraction of ``problems`` whose greedy completion gets reward exactly 1.0
+    (``lm_head_fp32``: the logits in float32, as in training with that option).
 
     Partial credit (some reasoning-gym scorers give it) does not count as correct here.
     """
@@ -201,7 +208,7 @@ def evaluate_accuracy(
     correct = 0
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
-        completions = greedy_completions(model, tokenizer, [p.prompt for p in chunk], max_new_tokens)
+        completions = greedy_completions(model, tokenizer, [p.prompt for p in chunk], max_new_tokens, lm_head_fp32)
         correct += sum(o.reward == 1.0 for o in score_completions(task, chunk, completions))
     model.train(was_training)
     return correct / len(problems)

@@ -21,7 +21,7 @@ from vcpo.models.loading import load_policy
 from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, RolloutSource, SyncSource
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
-from vcpo.runtime import configure_cpu
+from vcpo.runtime import configure_cpu, resolve_device
 from vcpo.tasks import make_task, prepare_scoring
 from vcpo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from vcpo.train.learner import Learner
@@ -81,7 +81,8 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
         from vcpo.orchestration.async_local import AsyncSource, WorkerSpec
 
         spec = WorkerSpec(
-            worker_id=0, model_path=str(model_path), dtype=config.model.dtype, task_name=config.task.name,
+            worker_id=0, model_path=str(model_path), dtype=config.model.dtype, device=str(learner.device),
+            lm_head_fp32=config.model.lm_head_fp32, task_name=config.task.name,
             task_kwargs=dict(config.task.kwargs), seed=config.seed, prompts_per_step=rc.prompts_per_step,
             group_size=rc.group_size, sampling=sampling, inflight_updates=config.async_.inflight_updates,
             torch_threads=config.runtime.torch_threads, reward_timeout_s=config.task.reward_timeout_s,
@@ -89,7 +90,8 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
         )
         return AsyncSource(learner.model, spec, config.async_.num_workers, config.async_.generation_bound(),
                            config.async_.drop_older_than, start_version=learner.version)
-    engine = HFRolloutEngine(learner.model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    engine = HFRolloutEngine(learner.model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                             lm_head_fp32=config.model.lm_head_fp32)
     ctx = RolloutContext(tokenizer, task, ProblemStream(task, config.seed, rc.prompts_per_step), sampling,
                          rc.group_size, config.seed)
     if mode == "sync":
@@ -107,6 +109,7 @@ def _progress(enabled: bool) -> Progress:
 def train(config: Config, resume: bool = False) -> dict[str, Any]:
     """Run (or resume) the job in ``config.run_dir``; returns the run summary (also in summary.json)."""
     configure_cpu(config.runtime.torch_threads)
+    device = resolve_device(config.model.device)
     run_dir = Path(config.run_dir)
     if not resume and latest_checkpoint(run_dir) is not None:
         raise ConfigError(f"run_dir {str(run_dir)!r} already holds a run with checkpoints: continue it with "
@@ -117,12 +120,13 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
     task = make_task(config.task)
     prepare_scoring(task)  # the sandboxed scorer starts while the model loads
     model_path = warm_start(config)
-    model, tokenizer = load_policy(model_path, config.model.dtype)
+    model, tokenizer = load_policy(model_path, config.model.dtype, device)
     learner = Learner(model, config)
     eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
 
     def evaluate() -> float:
-        return evaluate_accuracy(model, tokenizer, task, eval_problems, config.rollout.max_new_tokens)
+        return evaluate_accuracy(model, tokenizer, task, eval_problems, config.rollout.max_new_tokens,
+                                 lm_head_fp32=config.model.lm_head_fp32)
 
     state: dict[str, Any] = {}
     ckpt = latest_checkpoint(run_dir) if resume else None
