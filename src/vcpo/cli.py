@@ -1,4 +1,4 @@
-"""The ``vcpo`` command line: sft, train, eval, plot, sweep, rerun, report. User errors exit 2 with one line."""
+"""The ``vcpo`` command line: sft, train, eval, plot, sweep, rerun, report, serve. User errors exit 2 with one line."""
 
 from __future__ import annotations
 
@@ -227,6 +227,26 @@ def report(sweep_dir: Annotated[Path, typer.Argument(help="A directory written b
     try:
         console.print(f"wrote {write_report(sweep_dir)}")
     except (*_user_errors(), ReportError, MetricsError) as exc:
+        _fail(exc)
+
+
+@app.command()
+def serve(
+    model_dir: Annotated[Path, typer.Argument(help="A local Hugging Face model directory.")],
+    host: Annotated[str, typer.Option(help="Interface to bind; the default serves this machine only.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8000,
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float64.")] = "float32",
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
+    seed: Annotated[int, typer.Option(help="Seed of the sampling RNG (requests may bring their own).")] = 0,
+) -> None:
+    """Serve MODEL_DIR over HTTP for rollouts (vLLM's completion shapes, pause, resume, update_weights)."""
+    try:
+        from vcpo.serve.app import run_server
+    except ImportError as exc:
+        _fail(RuntimeError(f"vcpo serve needs the serve extra (pip install -e '.[serve]'): {exc}"))
+    try:
+        run_server(model_dir, host=host, port=port, dtype=dtype, device=device, seed=seed)
+    except _user_errors() as exc:
         _fail(exc)
 
 

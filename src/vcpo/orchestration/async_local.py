@@ -2,8 +2,10 @@
 
 Weights travel through shared memory (one shared copy of the state dict, a version counter and
 a lock); each worker polls the version before every decode step when in-flight updates are on,
-else before each request. The learner's process admits rollout groups under the staleness bound
-(vcpo.orchestration.staleness) and drops, at batch time, any group that would exceed it.
+else before each request. With inference servers (``rollout.engine: server``) the workers are HTTP clients
+and a ``WeightPublisher`` in the learner's process brings every server to each new version. The learner's
+process admits rollout groups under the staleness bound (vcpo.orchestration.staleness) and drops, at batch
+time, any group that would exceed it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.multiprocessing as mp
 
 from vcpo.orchestration.base import ProblemStream, generator_for
 from vcpo.orchestration.staleness import StalenessController
+from vcpo.rollout.weights import WeightPublisher
 from vcpo.runtime import configure_cpu
 from vcpo.types import SamplingParams, Trajectory
 
@@ -43,6 +46,7 @@ class WorkerSpec:
     torch_threads: int = 1
     reward_timeout_s: float = 5.0
     reward_workers: int = 1
+    server: dict[str, Any] | None = None  # rollout.server when rollout.engine is server
 
 
 def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, lock, tickets, results, stop) -> None:
@@ -60,13 +64,21 @@ def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, l
     task = make_task(TaskConfig(name=spec.task_name, kwargs=spec.task_kwargs, reward_timeout_s=spec.reward_timeout_s,
                                 reward_workers=spec.reward_workers))
     prepare_scoring(task)  # the sandboxed scorer starts while the model loads
-    model, tokenizer = load_policy(spec.model_path, spec.dtype, spec.device)
-    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1,
-                             lm_head_fp32=spec.lm_head_fp32)
+    if spec.server is None:
+        model, tokenizer = load_policy(spec.model_path, spec.dtype, spec.device)
+        engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1,
+                                 lm_head_fp32=spec.lm_head_fp32)
+    else:  # an HTTP client: the learner's process publishes the weights, the servers tag the tokens
+        from vcpo.config import ServerConfig
+        from vcpo.models.loading import load_tokenizer
+        from vcpo.rollout.server import server_engine
+
+        tokenizer = load_tokenizer(spec.model_path)
+        engine = server_engine(ServerConfig(**spec.server), version_of=lambda: int(version.value))
     stream = ProblemStream(task, spec.seed, spec.prompts_per_step)
 
     def poll() -> tuple[int, dict[str, torch.Tensor]] | None:
-        if version.value == engine.version:
+        if spec.server is not None or version.value == engine.version:
             return None
         with lock:
             return int(version.value), {k: v.clone() for k, v in shared.items()}
@@ -97,11 +109,15 @@ class AsyncSource:
     """Rollout worker processes plus an admission thread in the learner's process."""
 
     def __init__(self, model: torch.nn.Module, spec: WorkerSpec, num_workers: int, max_staleness: int,
-                 drop_older_than: float | None, start_version: int = 0) -> None:
+                 drop_older_than: float | None, start_version: int = 0,
+                 publisher: WeightPublisher | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.P = spec.prompts_per_step
-        # A host copy whatever the learner's device: workers copy from it onto theirs.
-        self.shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in model.state_dict().items()}
+        self.publisher = publisher
+        self._model = model
+        # A host copy whatever the learner's device: workers copy from it onto theirs (none when servers generate).
+        self.shared = {} if publisher is not None else {
+            k: v.detach().to("cpu", copy=True).share_memory_() for k, v in model.state_dict().items()}
         self.version = ctx.Value("q", start_version)
         self.lock = ctx.Lock()
         self.tickets, self.results, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -122,6 +138,8 @@ class AsyncSource:
     def _start(self) -> None:
         """Start workers and admission on the first request, after any ``load_state``."""
         self._started = True
+        if self.publisher is not None:  # the servers start from the learner's weights, whatever they loaded
+            self.publisher.publish(self._model.state_dict(), int(self.version.value))
         for w in self.workers:
             w.start()
         self._admitter.start()
@@ -151,6 +169,11 @@ class AsyncSource:
         return batch
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(model.state_dict(), version)  # every server paused, updated, resumed
+            self.version.value = version
+            self.controller.set_version(version)
+            return
         with self.lock, torch.no_grad():
             for k, v in model.state_dict().items():
                 self.shared[k].copy_(v)
