@@ -32,7 +32,7 @@ class ServerPool:
 
     def __init__(self, urls: list[str], kind: str = "vcpo", *, model: str | None = None, connect_timeout_s: float = 5.0,
                  request_timeout_s: float = 600.0, control_timeout_s: float = 120.0, retries: int = 2,
-                 retry_backoff_s: float = 0.5) -> None:
+                 retry_backoff_s: float = 0.5, transport: httpx.BaseTransport | None = None) -> None:
         if not urls:
             raise ServerError("rollout.server.urls is empty: name at least one server")
         self.urls = [u.rstrip("/") for u in urls]
@@ -43,7 +43,9 @@ class ServerPool:
         self.retry_backoff_s = retry_backoff_s
         self._down: set[str] = set()
         self._lock = threading.Lock()
-        self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s))
+        # ``transport``: tests answer with recorded vLLM / SGLang shapes (httpx.MockTransport)
+        self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
+                                    transport=transport)
 
     def live(self) -> list[str]:
         with self._lock:
