@@ -24,10 +24,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from vcpo.config import ConfigError
     from vcpo.models.loading import ModelLoadError
     from vcpo.plots import PlotError
+    from vcpo.rollout.server_pool import ServerError
     from vcpo.tasks.base import TaskError
     from vcpo.train.checkpoint import CheckpointError
 
-    return ConfigError, ModelLoadError, TaskError, CheckpointError, PlotError
+    return ConfigError, ModelLoadError, TaskError, CheckpointError, PlotError, ServerError
 
 
 def _fail(exc: BaseException) -> None:

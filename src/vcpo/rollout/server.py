@@ -14,7 +14,8 @@ from torch import Tensor
 
 from vcpo.config import ServerConfig
 from vcpo.rollout.engine import RolloutError, WeightPoll, _check_request
-from vcpo.rollout.server_pool import ServerDown, ServerPool
+from vcpo.rollout.server_kinds import ServerResponseError
+from vcpo.rollout.server_pool import ServerDown, ServerError, ServerPool
 from vcpo.rollout.weights import WeightPublisher, write_weights_dir
 from vcpo.types import Generation, SamplingParams
 
@@ -117,7 +118,11 @@ class ServerRolloutEngine:
             group = [r for r in active if sampling.max_new_tokens - len(r.tokens) == budget]
             version = self.version_of()
             body = self.pool.call(url, api.generate([r.prompt + r.tokens for r in group], sampling, budget, greedy))
-            for row, seg in zip(group, api.parse(body, len(group)), strict=True):
+            try:
+                segments = api.parse(body, len(group))
+            except ServerResponseError as exc:
+                raise ServerError(f"rollout server {url} ({api.kind}): {exc}") from None
+            for row, seg in zip(group, segments, strict=True):
                 row.tokens += seg.token_ids
                 row.logprobs += seg.logprobs
                 row.versions += seg.versions if seg.versions is not None else [version] * len(seg.token_ids)
