@@ -88,6 +88,20 @@ def test_pause_aborts_the_running_batch_and_returns_the_tokens_so_far(served):
     assert len(queued.result(timeout=30)[0].token_ids) == 1
 
 
+def test_pause_in_wait_mode_lets_the_running_batch_finish(served):
+    _, batcher, _ = served
+    future = batcher.submit([[5, 6]], BatchKey(1.0, 1.0, max_tokens=120, greedy=True, seed=None))
+    while not batcher.generating and not future.done():
+        time.sleep(0.001)
+    batcher.pause(abort=False)  # returns once the batch is over
+    try:
+        assert future.done()
+        segment = future.result()[0]
+        assert (segment.finish_reason, len(segment.token_ids)) == ("length", 120)
+    finally:
+        batcher.resume()
+
+
 def test_update_weights_changes_version_and_rejects_a_bad_directory_whole(served, tmp_path):
     client, batcher, model = served
     good = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: stored once

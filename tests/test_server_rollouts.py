@@ -122,15 +122,20 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def test_sync_run_through_servers_logs_an_exact_mismatch(servers, policy, tmp_path):
-    proc = run_cli(*tiny_run(policy, servers, tmp_path / "sync", "sync", steps=3))
+@pytest.mark.parametrize(("mode", "lags"), [("sync", [0, 0, 0]), ("lagged", [0, 1, 1])])
+def test_sync_and_lagged_runs_through_servers(servers, policy, tmp_path, mode, lags):
+    proc = run_cli(*tiny_run(policy, servers, tmp_path / mode, mode, steps=3), "async.max_staleness=1")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
-    lines = metrics(tmp_path / "sync")
-    assert [m["step"] for m in lines] == [1, 2, 3]
-    for m in lines:  # every token sampled at the learner's weights: the learner recomputes them through HTTP
-        assert m["staleness/max"] == 0 and m["mismatch/logprob_abs_max"] <= 1e-5
-    assert sorted(p.name for p in (tmp_path / "sync" / "server_weights").iterdir()) == ["v00000001", "v00000002"]
+    lines = metrics(tmp_path / mode)
+    assert [m["step"] for m in lines] == [1, 2, 3] and [m["staleness/max"] for m in lines] == lags
+    for m in lines:
+        assert REQUIRED_KEYS <= m.keys()
+    # Tokens sampled at the learner's weights (every step in sync, step 1 in lagged), recomputed through HTTP:
+    mismatches = [m["mismatch/logprob_abs_max"] for m in lines if "mismatch/logprob_abs_max" in m]
+    assert len(mismatches) == (3 if mode == "sync" else 1) and max(mismatches) <= 1e-5
+    kept = sorted(p.name for p in (tmp_path / mode / "server_weights").iterdir())  # keep_weights = 2
+    assert kept == (["v00000001", "v00000002"] if mode == "sync" else ["v00000002", "v00000003"])
 
 
 def test_async_run_through_two_servers_survives_one_killed_mid_run(servers, policy, tmp_path):
