@@ -125,3 +125,9 @@ def test_a_connection_refused_server_is_down_after_its_retries():
         pool.call(pool.urls[0], pool.api.resume()[0])
     with pytest.raises(ServerError, match="every rollout server is down"):
         pool.live()
+
+
+def test_a_zero_budget_sends_nothing(tmp_path):
+    eng, script = engine("vllm", {}, tmp_path)
+    gens = eng.generate([[5], [6, 7]], SamplingParams(max_new_tokens=0))
+    assert [(g.response_ids, g.versions, g.finished) for g in gens] == [([], [], False)] * 2 and not script.requests

@@ -92,10 +92,8 @@ class ServerRolloutEngine:
         (temperature and top-p applied). ``weight_poll`` and ``generator`` have no meaning here: weights reach the
         servers through ``load_weights``, and the servers draw their own random numbers."""
         _check_request(prompt_ids, sampling)
-        rows = [_Row(list(p)) for p in prompt_ids]
-        if sampling.max_new_tokens == 0:
-            rows = []
-        todo = list(range(len(rows)))
+        rows = [_Row(list(p), done=sampling.max_new_tokens == 0) for p in prompt_ids]
+        todo = [i for i, row in enumerate(rows) if not row.done]
         while todo:
             live = self.pool.live()
             chunks = [todo[i :: len(live)] for i in range(len(live))]
@@ -107,8 +105,7 @@ class ServerRolloutEngine:
                     raise f.exception()
             todo = [i for i in todo if not rows[i].done]
         return [Generation(response_ids=r.tokens, behavior_logprobs=r.logprobs, versions=r.versions,
-                           finished=r.finished) for r in rows] if rows else [
-            Generation(response_ids=[], behavior_logprobs=[], versions=[], finished=False) for _ in prompt_ids]
+                           finished=r.finished) for r in rows]
 
     def _drive(self, url: str, rows: list[_Row], sampling: SamplingParams, greedy: bool) -> None:
         """Call ``url`` until every row is done; rows with the same remaining budget share a call."""

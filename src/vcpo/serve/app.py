@@ -171,6 +171,7 @@ def run_server(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
     max_len = getattr(model.config, "max_position_embeddings", None)
     app = create_app(batcher, tokenizer, Path(model_dir).name, max_len)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        # A request waiting on a paused server would hold a graceful shutdown forever: give it 5 s.
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     finally:
         batcher.close()
