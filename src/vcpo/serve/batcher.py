@@ -142,20 +142,22 @@ class Batcher:
             key = self._pending[0].key
             batch = [r for r in self._pending if r.key == key]
             self._pending = [r for r in self._pending if r.key != key]
+            # Taken while the condition is held: a pause either sees this batch running or it never starts.
+            self._engine_lock.acquire()
             return batch
 
     def _loop(self) -> None:
-        while (batch := self._take_batch()) is not None:
-            with self._engine_lock:
-                self.generating = True
-                try:
-                    segments = self._run(batch)
-                except Exception as exc:  # the requests get the error; the server keeps serving
-                    for request in batch:
-                        request.future.set_exception(exc)
-                    continue
-                finally:
-                    self.generating = False
+        while (batch := self._take_batch()) is not None:  # the engine lock comes with the batch
+            self.generating = True
+            try:
+                segments = self._run(batch)
+            except Exception as exc:  # the requests get the error; the server keeps serving
+                for request in batch:
+                    request.future.set_exception(exc)
+                continue
+            finally:
+                self.generating = False
+                self._engine_lock.release()
             self.batches += 1
             start = 0
             for request in batch:
