@@ -98,7 +98,7 @@ def run_setup(name: str, repeats: int, servers: int, workdir: Path) -> None:
     procs = start_servers(model_dir, servers)
     try:
         pool = ServerPool([u for u, _ in procs])
-        remote = ServerRolloutEngine(pool, ServerWeightPublisher(pool, workdir / f"{name}-weights"))
+        remote = ServerRolloutEngine(pool, ServerWeightPublisher(pool, workdir / f"{name}-{servers}-weights"))
         print(f"[{name}] {n_params / 1e6:.2f}M parameters, {rows} rows, prompts of {prompt_len // 2}-{prompt_len} "
               f"tokens, up to {new_tokens} new tokens; {servers} server(s)")
         for fn in (lambda: local.generate(batch, sampling), lambda: remote.generate(batch, sampling)):

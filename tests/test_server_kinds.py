@@ -10,9 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from vcpo.rollout.server import ServerRolloutEngine, ServerWeightPublisher
 from vcpo.rollout.server_pool import ServerDown, ServerError, ServerPool
+from vcpo.rollout.weights import _unaliased, write_weights_dir
 from vcpo.types import SamplingParams
 
 SHAPES = json.loads((Path(__file__).parent / "fixtures" / "server_shapes.json").read_text())
@@ -131,3 +133,21 @@ def test_a_zero_budget_sends_nothing(tmp_path):
     eng, script = engine("vllm", {}, tmp_path)
     gens = eng.generate([[5], [6, 7]], SamplingParams(max_new_tokens=0))
     assert [(g.response_ids, g.versions, g.finished) for g in gens] == [([], [], False)] * 2 and not script.requests
+
+
+def test_weight_directories_keep_the_newest_and_drop_an_abandoned_timeline(tmp_path):
+    state = {"w": torch.arange(3.0)}
+    for v in range(5):
+        write_weights_dir(tmp_path, state, v, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000003", "v00000004"]
+    write_weights_dir(tmp_path, state, 2, keep_last=2)  # resumed from step 2: 3 and 4 never happened
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000002"]
+    write_weights_dir(tmp_path, state, 3, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000002", "v00000003"]
+    assert torch.equal(load_file(tmp_path / "v00000003" / "model.safetensors")["w"], state["w"])
+
+
+def test_tied_tensors_are_written_once():
+    shared = torch.ones(4, 2)
+    state = {"model.embed_tokens.weight": shared, "lm_head.weight": shared, "norm": torch.ones(2)}
+    assert set(_unaliased(state)) == {"model.embed_tokens.weight", "norm"}

@@ -41,8 +41,9 @@ def _unaliased(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def write_weights_dir(root: str | Path, state_dict: Mapping[str, Tensor], version: int, keep_last: int = 2,
                       extra_files: Sequence[str | Path] = ()) -> Path:
     """Write ``root/v{version:08d}/model.safetensors`` (plus ``extra_files``, e.g. config.json) atomically: into a
-    temporary directory renamed into place, so a server never reads a half-written version. Keeps the newest
-    ``keep_last`` version directories and removes older ones. Returns the directory."""
+    temporary directory renamed into place, so a server never reads a half-written version. Keeps this version and
+    the ``keep_last - 1`` before it; removes older ones and any above it (left by a run resumed from an earlier
+    checkpoint). Returns the directory."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{version:08d}"
@@ -57,7 +58,11 @@ def write_weights_dir(root: str | Path, state_dict: Mapping[str, Tensor], versio
         os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    versions = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[1:].isdigit())
-    for old in versions[: max(len(versions) - max(keep_last, 1), 0)]:
-        shutil.rmtree(old, ignore_errors=True)
+    others = sorted(int(p.name[1:]) for p in root.iterdir()
+                    if p.is_dir() and p.name.startswith(PREFIX) and p.name[1:].isdigit() and p != final)
+    # Versions above this one belong to an abandoned timeline (a run resumed from an earlier checkpoint).
+    older = [v for v in others if v < version]
+    stale = [v for v in others if v > version] + older[: max(len(older) - (max(keep_last, 1) - 1), 0)]
+    for v in stale:
+        shutil.rmtree(root / f"{PREFIX}{v:08d}", ignore_errors=True)
     return final
