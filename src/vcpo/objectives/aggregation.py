@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from vcpo.objective_specs import LOSS_AGG_MODES
 
 
 def aggregate(loss_BT: Tensor, mask_BT: Tensor, loss_agg: str, max_len: int | None = None) -> Tensor:

@@ -8,7 +8,7 @@ from torch import Tensor
 from vcpo.objectives.aggregation import aggregate
 from vcpo.objectives.common import clamped_exp, proximal_log_ratio
 from vcpo.objectives.diagnostics import masked_fraction, masked_mean
-from vcpo.objectives.registry import check_range, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
 
@@ -38,7 +38,6 @@ def m2po(
     Metrics: ``m2po/m2_before`` (M2 over all counted tokens), ``m2po/m2_after`` (over the kept
     ones, 0 when none is kept) and ``mask/frac`` (fraction of counted tokens masked).
     """
-    check_range("tau", tau, 0.0, None, low_open=True)
     mask = inp.mask.bool()
     olp_BT = inp.old_logprobs if inp.old_logprobs is not None else inp.logprobs
     sq_BT = (inp.behavior_logprobs.detach() - olp_BT.detach()) ** 2

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from vcpo.errors import UserError
 from vcpo.types import Problem
 
 SPLITS = ("train", "eval")
 
 
-class TaskError(ValueError):
+class TaskError(UserError, ValueError):
     """A user-fixable problem with the task settings; its message is one line naming the culprit."""
 
 

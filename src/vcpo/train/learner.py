@@ -50,6 +50,8 @@ class Learner:
         self.objective_kwargs = dict(config.objective.kwargs)
         if config.objective.loss_agg is not None:
             self.objective_kwargs["loss_agg"] = config.objective.loss_agg
+        if config.objective.max_len is not None:
+            self.objective_kwargs["max_len"] = config.objective.max_len
         self.version = 0
 
     @property
