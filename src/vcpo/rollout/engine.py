@@ -7,6 +7,7 @@ rollouts, as in PipelineRL), so one response can span versions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -53,19 +54,34 @@ def sample_next(
     ``q = softmax(logits / T)``; top-p keeps the smallest set of most likely tokens whose mass under q
     reaches ``top_p`` (never empty), and ``mu = q restricted to that set, renormalised``. The token is
     drawn from mu and ``log mu(token)`` is returned. ``greedy`` takes ``argmax q`` and returns ``log q``.
+    A row whose logits hold a NaN or +inf, or no finite value (broken weights), has no distribution: it
+    gets token 0 and log-prob NaN, which the engine ends the row on and the learner skips the step for.
     """
-    logq_BV = torch.log_softmax(logits_BV.float() / sampling.temperature, dim=-1)
+    logits_BV = logits_BV.float()
+    broken_B = torch.isnan(logits_BV).any(-1) | torch.isposinf(logits_BV).any(-1) | ~torch.isfinite(logits_BV).any(-1)
+    if bool(broken_B.any()):
+        logits_BV = logits_BV.masked_fill(broken_B[:, None], 0.0)  # a stand-in that samples; its result is discarded
+    logq_BV = torch.log_softmax(logits_BV / sampling.temperature, dim=-1)
     if greedy:
         tokens_B = logq_BV.argmax(dim=-1)
-        return tokens_B, logq_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+        logprobs_B = logq_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+    else:
+        tokens_B, logprobs_B = _sample(logq_BV, sampling.top_p, generator)
+    if bool(broken_B.any()):
+        tokens_B = tokens_B.masked_fill(broken_B, 0)
+        logprobs_B = logprobs_B.masked_fill(broken_B, math.nan)
+    return tokens_B, logprobs_B
+
+
+def _sample(logq_BV: Tensor, top_p: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     logmu_BV = logq_BV
     # top_p = 1 keeps everything; skipping the filter avoids dropping tail tokens to cumsum rounding.
-    if sampling.top_p < 1.0:
+    if top_p < 1.0:
         sorted_logq_BV, order_BV = logq_BV.sort(dim=-1, descending=True)
         mass_before_BV = sorted_logq_BV.exp().cumsum(dim=-1) - sorted_logq_BV.exp()
         # A token is kept while the mass of the tokens ranked above it is still short of top_p;
         # the most likely token has zero mass before it, so the nucleus is never empty.
-        drop_sorted_BV = mass_before_BV >= sampling.top_p
+        drop_sorted_BV = mass_before_BV >= top_p
         drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
         logmu_BV = torch.log_softmax(logq_BV.masked_fill(drop_BV, float("-inf")), dim=-1)
     tokens_B = torch.multinomial(logmu_BV.exp(), 1, generator=generator).squeeze(-1)
@@ -186,8 +202,9 @@ class HFRolloutEngine:
                 gens[b].response_ids.append(tokens[b])
                 gens[b].behavior_logprobs.append(logprobs[b])
                 gens[b].versions.append(self.version)
-                gens[b].finished = tokens[b] == self.eos_id
-            active_B &= tokens_B != self.eos_id
+                gens[b].finished = tokens[b] == self.eos_id and not math.isnan(logprobs[b])
+            # A row sampled from broken logits (NaN log-prob) ends here, unfinished.
+            active_B &= (tokens_B != self.eos_id) & ~torch.isnan(logprobs_B)
             if not active_B.any():
                 break
             # Finished rows keep stepping with a masked pad token so the batch stays rectangular.
