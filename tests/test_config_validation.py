@@ -5,6 +5,9 @@ and config errors found before torch, transformers or reasoning-gym is imported.
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -90,3 +93,14 @@ def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
         load_config(path)
     message = str(info.value)
     assert str(path) in message and "line 4, column 13" in message and "\n" not in message
+
+
+def test_config_errors_come_before_any_heavy_import():
+    code = ("import sys\nsys.argv = ['vcpo', 'train', 'trainer.lr=-1']\nfrom vcpo.cli import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+            "heavy = [m for m in ('torch', 'transformers', 'reasoning_gym') if m in sys.modules]\n"
+            "print(code, heavy)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.stdout.strip() == "2 []", proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "error: config key 'trainer.lr': Input should be greater than 0 (got -1)"

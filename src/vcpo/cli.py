@@ -1,4 +1,8 @@
-"""The ``vcpo`` command line: sft, train, eval, plot. User errors exit non-zero with one line."""
+"""The ``vcpo`` command line: sft, train, eval, plot, sweep, report. Each error is one line on stderr.
+
+Exit status: 0 done; 2 a user error (bad config, path or disk), found before any heavy import where it can
+be; 1 a run that started and could not go on; 128 + signal when SIGTERM (143) or SIGINT (130) stopped it.
+"""
 
 from __future__ import annotations
 
@@ -20,19 +24,16 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML con
 Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.lr=1e-4 async.mode=sync")]
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from vcpo.config import ConfigError
-    from vcpo.models.loading import ModelLoadError
-    from vcpo.plots import PlotError
-    from vcpo.tasks.base import TaskError
-    from vcpo.train.checkpoint import CheckpointError
-
-    return ConfigError, ModelLoadError, TaskError, CheckpointError, PlotError
-
-
-def _fail(exc: BaseException) -> None:
+def _fail(exc: BaseException, code: int = 2) -> None:
     print(f"error: {exc}", file=sys.stderr)  # one line, never wrapped
-    raise typer.Exit(2)
+    raise typer.Exit(code)
+
+
+def _quiet_libraries() -> None:
+    """After the cheap checks: the heavy import, with transformers' progress bars off (ours is the one that matters)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _load(config: Path | None, overrides: list[str] | None, resume: Path | None = None):
@@ -49,14 +50,17 @@ def _load(config: Path | None, overrides: list[str] | None, resume: Path | None 
 @app.command()
 def sft(config: ConfigOpt = None, overrides: Overrides = None) -> None:
     """Warm-start the embedded default model by supervised fine-tuning (cached), and report accuracy."""
+    from vcpo.errors import UserError
+
     try:
+        cfg = _load(config, overrides)
+        _quiet_libraries()
         import torch
 
         from vcpo.models.loading import load_policy
         from vcpo.tasks import make_task
         from vcpo.train.sft import evaluate_accuracy, warm_start
 
-        cfg = _load(config, overrides)
         torch.set_num_threads(cfg.runtime.torch_threads)
         path = warm_start(cfg)
         model, tokenizer = load_policy(path, cfg.model.dtype)
@@ -64,7 +68,7 @@ def sft(config: ConfigOpt = None, overrides: Overrides = None) -> None:
         acc = evaluate_accuracy(model, tokenizer, task, task.problems("eval", cfg.task.eval_size, seed=cfg.seed),
                                 cfg.rollout.max_new_tokens)
         console.print(f"warm-started model: {path}\nheld-out greedy accuracy: {acc:.3f}")
-    except _user_errors() as exc:
+    except UserError as exc:
         _fail(exc)
 
 
@@ -74,18 +78,34 @@ def train(
     overrides: Overrides = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="Continue the run in this directory.")] = None,
 ) -> None:
-    """Train with RL: `vcpo train -c CONFIG.yaml [key.path=value ...] [--resume RUN_DIR]`."""
+    """Train with RL: `vcpo train -c CONFIG.yaml [key.path=value ...] [--resume RUN_DIR]`.
+
+    SIGTERM or SIGINT: the run checkpoints its last finished step and exits 143 or 130 (a second one exits at once).
+    """
+    from vcpo.errors import RunFailed, RunInterrupted, UserError, signal_name
+    from vcpo.train.signals import ForcedExit
+
     try:
-        from vcpo.train.trainer import train as run_training
+        from vcpo.train.run_dir import check_start
 
         cfg = _load(config, overrides, resume)
+        check_start(cfg, resume=resume is not None)  # all before the heavy import below
+        _quiet_libraries()
+        from vcpo.train.health import describe
+        from vcpo.train.trainer import train as run_training
+
         summary = run_training(cfg, resume=resume is not None)
-        console.print(
-            f"held-out accuracy: {summary['initial_accuracy']:.3f} before RL -> {summary['final_accuracy']:.3f} "
-            f"after {summary['steps']} steps ({summary['wall_time_s']:.0f} s); run: {summary['run_dir']}"
-        )
-    except _user_errors() as exc:
+        console.print(describe(summary), markup=False, highlight=False, soft_wrap=True)
+    except UserError as exc:
         _fail(exc)
+    except RunFailed as exc:
+        _fail(exc, code=1)
+    except RunInterrupted as exc:
+        print(exc, file=sys.stderr)
+        raise typer.Exit(exc.exit_code) from None
+    except ForcedExit as exc:  # a second signal while the first one's checkpoint was being written
+        print(f"exited at once on a second {signal_name(exc.signum)}", file=sys.stderr)
+        raise typer.Exit(128 + exc.signum) from None
 
 
 @app.command("eval")
@@ -95,30 +115,38 @@ def evaluate(
     overrides: Overrides = None,
 ) -> None:
     """Greedy accuracy of a model on the held-out split of the configured task."""
+    from vcpo.errors import UserError
+
     try:
+        from vcpo.models.files import check_model_dir
+
+        cfg = _load(config, overrides)
+        check_model_dir(model_path)
+        _quiet_libraries()
         from vcpo.models.loading import load_policy
         from vcpo.tasks import make_task
         from vcpo.train.sft import evaluate_accuracy
 
-        cfg = _load(config, overrides)
         model, tokenizer = load_policy(model_path, cfg.model.dtype)
         task = make_task(cfg.task)
         acc = evaluate_accuracy(model, tokenizer, task, task.problems("eval", cfg.task.eval_size, seed=cfg.seed),
                                 cfg.rollout.max_new_tokens)
         print(json.dumps({"model": str(model_path), "task": cfg.task.name, "eval/accuracy": acc}))
-    except _user_errors() as exc:
+    except UserError as exc:
         _fail(exc)
 
 
 @app.command()
 def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory holding metrics.jsonl.")]) -> None:
     """Write PNG figures (reward, eval accuracy, ESS ratio, grad norm, staleness, LR scale) of a run."""
+    from vcpo.errors import UserError
+
     try:
         from vcpo.plots import plot_run
 
         paths = plot_run(run_dir)
         console.print("wrote " + ", ".join(str(p) for p in paths))
-    except _user_errors() as exc:
+    except UserError as exc:
         _fail(exc)
 
 
@@ -145,11 +173,13 @@ def sweep(
     seeds: Annotated[str | None, typer.Option("--seeds", help="Comma-separated seeds.")] = None,
 ) -> None:
     """Run a grid of (objective arm x staleness k x seed) in lagged mode: `vcpo sweep -c CONFIG --out DIR`."""
+    from vcpo.errors import UserError
     from vcpo.study.sweep import FULL_GRID, QUICK_GRID, SweepError, run_sweep
 
     try:
         if config is None:
             raise SweepError("vcpo sweep needs a base config: -c CONFIG.yaml")
+        _quiet_libraries()
         grid = QUICK_GRID if quick else FULL_GRID
         results = run_sweep(
             config, out, arms=arms.split(",") if arms else grid["arms"], ks=_int_list("--ks", ks) or grid["ks"],
@@ -159,26 +189,23 @@ def sweep(
         failed = [r["cell"] for r in results if r["status"] != "done"]
         console.print(f"{len(results) - len(failed)} of {len(results)} cells done; results in {out / 'results.jsonl'}"
                       + (f"; failed: {', '.join(failed)} (see error.txt in each)" if failed else ""))
-    except (*_user_errors(), SweepError) as exc:
+    except (UserError, SweepError) as exc:
         _fail(exc)
 
 
 @app.command()
 def report(sweep_dir: Annotated[Path, typer.Argument(help="A directory written by `vcpo sweep`.")]) -> None:
     """Write REPORT.md and PNG figures for a sweep: tables, collapse, early warning, claims checked."""
-    from vcpo.metrics import MetricsError
+    from vcpo.errors import UserError
     from vcpo.study.report import ReportError, write_report
 
     try:
         console.print(f"wrote {write_report(sweep_dir)}")
-    except (*_user_errors(), ReportError, MetricsError) as exc:
+    except (UserError, ReportError) as exc:
         _fail(exc)
 
 
 def main() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own progress display is the one that matters
     try:
         app()
     except KeyboardInterrupt:
