@@ -6,39 +6,12 @@ bad config key or value exits non-zero with one line naming it.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from conftest import LAGGED, metrics, vcpo
 
 REQUIRED_KEYS = {"step", "reward/mean", "ess/ratio", "grad_norm", "lr", "staleness/max", "staleness/mean",
                  "time/step_s"}
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def vcpo(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "vcpo.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"vcpo {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return proc
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> list[str]:
-    """Overrides for a tiny run: a few SFT steps (cached once for the module), small batches."""
-    cache = tmp_path_factory.mktemp("cache")
-    return [f"sft.cache_dir={cache}", "sft.steps=30", "sft.batch_size=32", "rollout.prompts_per_step=4",
-            "rollout.group_size=4", "rollout.max_new_tokens=6", "task.eval_size=16", "trainer.eval_every=2",
-            "trainer.checkpoint_every=2", "logging.progress=false", "trainer.lr=1e-3"]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize(("mode", "k", "extra"), [
@@ -48,7 +21,7 @@ def metrics(run_dir: Path) -> list[dict]:
 ])
 def test_each_mode_runs_and_logs_the_contract_keys(tmp_path, tiny, mode, k, extra):
     run = tmp_path / mode
-    vcpo("train", "-c", "configs/quickstart.yaml", *tiny, f"run_dir={run}", f"async.mode={mode}",
+    vcpo("train", *tiny, f"run_dir={run}", f"async.mode={mode}",
          f"async.max_staleness={k}", "trainer.max_steps=4", *extra)
     lines = metrics(run)
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
@@ -63,14 +36,12 @@ def test_each_mode_runs_and_logs_the_contract_keys(tmp_path, tiny, mode, k, extr
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
 
 
-def test_lagged_resume_equals_uninterrupted_run(tmp_path, tiny):
-    common = ["-c", "configs/quickstart.yaml", *tiny, "async.mode=lagged", "async.max_staleness=2"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    # Interrupt at step 2 (an evaluation step anyway, so both runs log the same keys), resume to 4.
-    vcpo("train", *common, f"run_dir={full}", "trainer.max_steps=4")
-    vcpo("train", *common, f"run_dir={part}", "trainer.max_steps=2")
+def test_lagged_resume_equals_uninterrupted_run(tmp_path, tiny, lagged_full):
+    part = tmp_path / "part"
+    # Stop at step 2 (an evaluation step anyway, so both runs log the same keys), resume to 4.
+    vcpo("train", *tiny, *LAGGED, f"run_dir={part}", "trainer.max_steps=2")
     vcpo("train", "--resume", str(part), "trainer.max_steps=4")
-    a, b = metrics(full), metrics(part)
+    a, b = metrics(lagged_full), metrics(part)
     assert [m["step"] for m in b] == [1, 2, 3, 4]  # no step lost or repeated
     for ma, mb in zip(a, b, strict=True):
         ka = {k: v for k, v in ma.items() if not k.startswith("time/")}
@@ -94,7 +65,7 @@ def test_bad_config_exits_nonzero_with_one_line_naming_it(override, named):
 
 def test_fresh_run_refuses_a_directory_holding_another_run(tmp_path, tiny):
     run = tmp_path / "run"
-    args = ["train", "-c", "configs/quickstart.yaml", *tiny, f"run_dir={run}", "async.mode=sync", "trainer.max_steps=2"]
+    args = ["train", *tiny, f"run_dir={run}", "async.mode=sync", "trainer.max_steps=2"]
     vcpo(*args)
     proc = vcpo(*args, check=False)
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]

@@ -21,6 +21,7 @@ from vcpo.errors import DiskError
 from vcpo.metrics import MetricsLogger
 from vcpo.models.default import build_char_tokenizer
 from vcpo.rollout.engine import HFRolloutEngine, sample_next
+from vcpo.tasks import TaskError
 from vcpo.train.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
 from vcpo.train.health import RunHealth
 from vcpo.train.learner import Learner
@@ -32,7 +33,7 @@ from vcpo.types import Batch, SamplingParams, Trajectory
 
 def tiny_llama() -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                    num_key_value_heads=1, intermediate_size=32)
     return transformers.LlamaForCausalLM(cfg).eval()
 
@@ -181,6 +182,27 @@ def test_a_failed_fresh_start_removes_only_what_it_wrote(tmp_path):
     resumed.open(cfg)
     resumed.discard()  # a resumed run's directory is never removed
     assert (tmp_path / "config.yaml").is_file()
+
+
+def test_a_failed_start_leaves_no_run_directory(tmp_path, monkeypatch):
+    import vcpo.train.trainer as trainer
+
+    model_dir = tmp_path / "model"
+    tiny_llama().save_pretrained(model_dir)
+    build_char_tokenizer("0123456789+= ").save_pretrained(model_dir)
+    run_dir = tmp_path / "run"
+    common = [f"run_dir={run_dir}", f"model.path={model_dir}", "logging.progress=false", "task.eval_size=2"]
+    with pytest.raises(TaskError, match="no_such_task"):  # found after the heavy imports, before any write
+        trainer.train(load_config(None, [*common, "task.name=no_such_task"]))
+    assert not run_dir.exists()
+
+    def broken_source(*args, **kwargs):
+        raise RuntimeError("the rollout source could not start")
+
+    monkeypatch.setattr(trainer, "make_source", broken_source)  # fails after config.yaml was written
+    with pytest.raises(RuntimeError, match="could not start"):
+        trainer.train(load_config(None, common))
+    assert not run_dir.exists()
 
 
 def test_the_first_signal_asks_the_second_forces():

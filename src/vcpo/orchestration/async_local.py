@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -76,6 +77,7 @@ class AsyncSource:
         self.restarts = 0
         self._before: dict[str, int] = {}  # counts of earlier processes of this run (resume)
         self._failure: str | None = None
+        self._inbox: deque[list[Trajectory]] = deque()  # groups received, not yet handed to next_batch
 
     def _spawn(self, worker_id: int) -> _Worker:
         ticket_reader, ticket_writer = self._ctx.Pipe(duplex=False)
@@ -127,47 +129,48 @@ class AsyncSource:
         return new
 
     def _reap(self, worker: _Worker) -> None:
-        if worker.process.is_alive():  # stalled rather than dead
-            worker.process.kill()
         worker.process.join(timeout=_CLOSE_GRACE_S)
         worker.tickets.close()
         worker.results.close()
 
-    def _read(self, worker: _Worker) -> list[Trajectory] | None:
-        """One message from ``worker``: a group, or None (an error report, or its death, handled here)."""
+    def _take(self, worker: _Worker) -> bool:
+        """Read one message of ``worker`` into the inbox (a group) or its error; False at its end (death)."""
         try:
             kind, payload = worker.results.recv()
         except (EOFError, OSError, pickle.UnpicklingError):  # died, possibly in the middle of a message
-            self._replace(worker)
-            return None
+            return False
         worker.last_heard = time.monotonic()
         if kind == "error":
             worker.error = payload
-            return None
-        if payload[0].group_id in worker.held:
-            worker.held.remove(payload[0].group_id)
-        return payload
+        else:
+            if payload[0].group_id in worker.held:
+                worker.held.remove(payload[0].group_id)
+            self._inbox.append(payload)
+        return True
+
+    def _bury(self, worker: _Worker, defer: bool = False) -> _Worker | None:
+        """A worker ended: keep every group it finished sending, then restart it with the rest (``_replace``)."""
+        while self._take(worker):
+            pass
+        return self._replace(worker, defer)
 
     def _receive(self) -> list[Trajectory]:
-        """The next finished group from any worker; a dead worker is replaced on the spot."""
-        while True:
+        """The next finished group from any worker; a worker that died is replaced as soon as it is seen."""
+        while not self._inbox:
             by_conn = {w.results: w for w in self.workers}
             by_sentinel = {w.process.sentinel: w for w in self.workers}
-            ready = wait([*by_conn, *by_sentinel], timeout=_POLL_S)
-            for conn in ready:
-                if conn in by_conn and by_conn[conn] in self.workers:
-                    group = self._read(by_conn[conn])
-                    if group is not None:
-                        return group
-            for sentinel in ready:  # exited, and nothing left to read (a message would have come first)
-                worker = by_sentinel.get(sentinel)
-                if worker in self.workers and not worker.results.poll():
-                    self._replace(worker)
+            for ready in wait([*by_conn, *by_sentinel], timeout=_POLL_S):
+                worker = by_conn.get(ready) or by_sentinel[ready]
+                if worker not in self.workers:  # replaced earlier in this round
+                    continue
+                if ready is not worker.results or not self._take(worker):
+                    self._bury(worker)
             now = time.monotonic()
             for i, w in enumerate(self.workers):
                 if w.held and now - w.last_heard > self.spec.handoff_timeout_s:
                     raise RunFailed(f"rollout worker {i} sent nothing for {now - w.last_heard:.0f} s while holding "
                                     f"{len(w.held)} group(s) (async.handoff_timeout_s={self.spec.handoff_timeout_s:g})")
+        return self._inbox.popleft()
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         if not self.workers:  # start on the first request, after any load_state
@@ -194,9 +197,10 @@ class AsyncSource:
             worker = self.workers[i]
             if worker.process.is_alive() and time.monotonic() < deadline:
                 continue
-            if worker.process.is_alive():
+            if worker.process.is_alive():  # stalled: killed, its pipe then ends too
                 worker.error = f"held its weight lock past async.handoff_timeout_s={self.spec.handoff_timeout_s:g}"
-            if self._replace(worker, defer=True) is None:
+                worker.process.kill()
+            if self._bury(worker, defer=True) is None:
                 return None
             deadline = time.monotonic() + self.spec.handoff_timeout_s
         return self.workers[i].lock

@@ -205,7 +205,7 @@ class _Job:
         except RunFailed as e:
             self.checkpoint()
             self.finish(f"stopped: {e}")
-            raise RunFailed(f"{e}; {self.kept()}") from None
+            raise RunFailed(f"stopped at step {self.learner.version}: {e}; {self.kept()}") from None
         except BaseException:
             self.checkpoint_after_crash()
             raise
@@ -241,10 +241,10 @@ class _Job:
                 f"reward {metrics['reward/mean']:.2f}  ess {metrics['ess/ratio']:.2f}  "
                 f"stale {metrics['staleness/max']:.0f}  acc {self.last_accuracy:.2f}"))
             if self.health.consecutive_skipped >= tc.max_skipped_steps:
+                hint = ", or use model.dtype=float32" if self.config.model.dtype == "bfloat16" else ""
                 raise RunFailed(
-                    f"stopped at step {step}: {self.health.consecutive_skipped} consecutive steps skipped "
-                    f"(trainer.max_skipped_steps={tc.max_skipped_steps}; the last for a {learner.skip_reason}): "
-                    f"lower trainer.lr, or use model.dtype=float32")
+                    f"{self.health.consecutive_skipped} consecutive steps skipped (trainer.max_skipped_steps="
+                    f"{tc.max_skipped_steps}), the last for a {learner.skip_reason}: lower trainer.lr{hint}")
             if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.max_steps:
                 self.checkpoint()
 
