@@ -83,29 +83,34 @@ def train(
     SIGTERM or SIGINT: the run checkpoints its last finished step and exits 143 or 130 (a second one exits at once).
     """
     from vcpo.errors import RunFailed, RunInterrupted, UserError, signal_name
-    from vcpo.train.signals import ForcedExit
+    from vcpo.train.signals import ForcedExit, StopRequested, StopSignals
 
-    try:
-        from vcpo.train.run_dir import check_start
+    with StopSignals() as signals:  # from the start: a signal during the heavy imports ends the command cleanly
+        try:
+            from vcpo.train.run_dir import check_start
 
-        cfg = _load(config, overrides, resume)
-        check_start(cfg, resume=resume is not None)  # all before the heavy import below
-        _quiet_libraries()
-        from vcpo.train.health import describe
-        from vcpo.train.trainer import train as run_training
-
-        summary = run_training(cfg, resume=resume is not None)
-        console.print(describe(summary), markup=False, highlight=False, soft_wrap=True)
-    except UserError as exc:
-        _fail(exc)
-    except RunFailed as exc:
-        _fail(exc, code=1)
-    except RunInterrupted as exc:
-        print(exc, file=sys.stderr)
-        raise typer.Exit(exc.exit_code) from None
-    except ForcedExit as exc:  # a second signal while the first one's checkpoint was being written
-        print(f"exited at once on a second {signal_name(exc.signum)}", file=sys.stderr)
-        raise typer.Exit(128 + exc.signum) from None
+            cfg = _load(config, overrides, resume)
+            check_start(cfg, resume=resume is not None)  # all before the heavy import below
+            with signals.interruptible():
+                _quiet_libraries()
+                from vcpo.train.health import describe
+                from vcpo.train.trainer import train as run_training
+            summary = run_training(cfg, resume=resume is not None, signals=signals)
+            console.print(describe(summary), markup=False, highlight=False, soft_wrap=True)
+        except UserError as exc:
+            _fail(exc)
+        except RunFailed as exc:
+            _fail(exc, code=1)
+        except RunInterrupted as exc:
+            print(exc, file=sys.stderr)
+            raise typer.Exit(exc.exit_code) from None
+        except StopRequested:
+            print(f"interrupted by {signal_name(signals.signum)} before the run started; nothing was written",
+                  file=sys.stderr)
+            raise typer.Exit(128 + signals.signum) from None
+        except ForcedExit as exc:  # a second signal while the first one's checkpoint was being written
+            print(f"exited at once on a second {signal_name(exc.signum)}", file=sys.stderr)
+            raise typer.Exit(128 + exc.signum) from None
 
 
 @app.command("eval")

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from pathlib import Path
@@ -40,12 +41,31 @@ def signal_name(signum: int) -> str:
 
 
 class DiskError(UserError):
-    """A write the file system refused (read-only, full, no permission); names the path."""
+    """A write the file system refused (read-only, full, no permission); names the path.
+
+    Build it before cleaning up after the failed write: when the library's error carries no errno (torch's
+    "unexpected pos" on a full disk), the reason is read from the file system itself, which the cleanup changes.
+    """
 
     def __init__(self, path: str | Path, error: BaseException) -> None:
-        reason = os.strerror(error.errno) if isinstance(error, OSError) and error.errno else _one_line(error)
-        super().__init__(f"cannot write {str(path)!r}: {reason}")
+        super().__init__(f"cannot write {str(path)!r}: {_reason(Path(path), error)}")
 
 
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
+def _reason(path: Path, error: BaseException) -> str:
+    if isinstance(error, OSError) and error.errno:
+        return os.strerror(error.errno)
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        fs = os.statvfs(probe)
+    except OSError:
+        fs = None
+    if fs is not None and fs.f_flag & os.ST_RDONLY:
+        return os.strerror(errno.EROFS)
+    if fs is not None and fs.f_bavail * fs.f_frsize < _NEARLY_FULL_BYTES:
+        return os.strerror(errno.ENOSPC)
+    return " ".join(str(error).split())[:200] or type(error).__name__
+
+
+_NEARLY_FULL_BYTES = 1 << 20

@@ -153,8 +153,9 @@ def save_checkpoint(
         fsync_dir(ckpt_root)
         _write_latest(ckpt_root, final.name)
     except (OSError, RuntimeError, SafetensorError) as e:  # how a full or read-only disk surfaces in each library
+        error = DiskError(tmp, e)  # before the cleanup frees the space it reports on
         shutil.rmtree(tmp, ignore_errors=True)
-        raise DiskError(tmp, e) from None
+        raise error from None
     for _, path in complete_checkpoints(run_dir)[:-keep]:
         if path != final:
             shutil.rmtree(path, ignore_errors=True)

@@ -59,7 +59,7 @@ class StopSignals:
             raise ForcedExit(signum)
         self.signum = signum
         # os.write, not print: the handler may run in the middle of another write to stderr.
-        os.write(2, f"received {signal_name(signum)}: stopping after the current step with a checkpoint "
+        os.write(2, f"received {signal_name(signum)}: stopping, the last finished step checkpointed "
                     f"(send it again to exit at once)\n".encode())
         if self._interruptible:
             raise StopRequested

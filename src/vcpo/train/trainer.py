@@ -12,6 +12,7 @@ import json
 import os
 import random
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -122,25 +123,30 @@ def restore(run_dir: Path, learner: Learner) -> tuple[dict[str, Any], Path | Non
     return {}, None
 
 
-def train(config: Config, resume: bool = False) -> dict[str, Any]:
+def train(config: Config, resume: bool = False, signals: StopSignals | None = None) -> dict[str, Any]:
     """Run (or resume) the job in ``config.run_dir``; returns the run summary (also in summary.json).
 
     The model, task and checkpoint are loaded before anything is written to the run directory, and a
     fresh start that fails before its first finished step removes what it wrote. Raises ``RunFailed``
     (non-finite streak, rollout workers lost) and ``RunInterrupted`` (SIGTERM/SIGINT), both after keeping
-    every finished step that is sound.
+    every finished step that is sound. ``signals``: the caller's handlers, if it installed them earlier.
     """
-    configure_cpu(config.runtime.torch_threads)
-    run = RunDirectory(config.run_dir, resume)
-    seed_everything(config.seed)
-    model_path = warm_start(config)
-    model, tokenizer = load_policy(model_path, config.model.dtype)
-    task = make_task(config.task)
-    learner = Learner(model, config)
-    state, ckpt = restore(run.path, learner) if resume else ({}, None)
-    eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
-    start_step = learner.version
-    with StopSignals() as signals:
+    with nullcontext(signals) if signals is not None else StopSignals() as signals:
+        try:
+            with signals.interruptible():  # nothing is written yet: a signal may end the start at once
+                configure_cpu(config.runtime.torch_threads)
+                run = RunDirectory(config.run_dir, resume)
+                seed_everything(config.seed)
+                model_path = warm_start(config)
+                model, tokenizer = load_policy(model_path, config.model.dtype)
+                task = make_task(config.task)
+                learner = Learner(model, config)
+                state, ckpt = restore(run.path, learner) if resume else ({}, None)
+                eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
+        except StopRequested:
+            raise RunInterrupted(f"interrupted by {signal_name(signals.signum)} before the run started; nothing "
+                                 f"was written", signals.signum) from None
+        start_step = learner.version
         run.open(config)  # the first write to the run directory: everything above could still fail
         try:
             if ckpt is not None:
@@ -164,7 +170,7 @@ class _Job:
                  eval_problems: list[Problem], state: dict[str, Any], signals: StopSignals) -> None:
         self.config, self.run_dir, self.learner, self.tokenizer, self.task = config, run_dir, learner, tokenizer, task
         self.eval_problems, self.state, self.signals = eval_problems, state, signals
-        self.start_step = self.saved_step = learner.version
+        self.start_step = self.saved_step = self.logged_step = learner.version
         self.health = RunHealth.from_state(state.get("health"))
         self.initial_accuracy: float | None = state.get("initial_accuracy")
         self.last_accuracy: float | None = state.get("last_accuracy", self.initial_accuracy)
@@ -191,14 +197,14 @@ class _Job:
                 self.loop(logger, bar)
             self.checkpoint()
         except StopRequested:
-            sig = signal_name(self.signals.signum or 15)
+            sig = signal_name(self.signals.signum)
             if self.learner.version == self.start_step:
                 raise RunInterrupted(f"interrupted by {sig} before a step finished; nothing new was kept",
-                                     self.signals.signum or 15) from None
+                                     self.signals.signum) from None
             self.checkpoint()
             self.finish(f"interrupted by {sig}")
             raise RunInterrupted(f"interrupted by {sig} after step {self.learner.version}: {self.kept()}",
-                                 self.signals.signum or 15) from None
+                                 self.signals.signum) from None
         except ForcedExit as e:
             raise RunInterrupted(f"exited at once on a second {signal_name(e.signum)}: {self.kept()}",
                                  e.signum) from None
@@ -206,6 +212,8 @@ class _Job:
             self.checkpoint()
             self.finish(f"stopped: {e}")
             raise RunFailed(f"stopped at step {self.learner.version}: {e}; {self.kept()}") from None
+        except DiskError:  # a full or read-only disk refuses the checkpoint too: the previous one stays the latest
+            raise
         except BaseException:
             self.checkpoint_after_crash()
             raise
@@ -237,6 +245,7 @@ class _Job:
                 metrics["eval/accuracy_initial"] = self.initial_accuracy
             metrics |= {"step": step, "time/rollout_wait_s": t_rollout, "time/step_s": time.perf_counter() - t0}
             logger.log(metrics)
+            self.logged_step = step
             bar.update(task_id, completed=step, info=(
                 f"reward {metrics['reward/mean']:.2f}  ess {metrics['ess/ratio']:.2f}  "
                 f"stale {metrics['staleness/max']:.0f}  acc {self.last_accuracy:.2f}"))
@@ -249,9 +258,11 @@ class _Job:
                 self.checkpoint()
 
     def checkpoint(self) -> None:
-        """Save the last finished step, unless it is saved already or comes in a run of skipped steps: weights
-        that have just produced non-finite values are not worth resuming from, the last good checkpoint is."""
-        if self.learner.version == self.saved_step or self.health.consecutive_skipped:
+        """Save the last finished step, unless it is saved already, comes in a run of skipped steps (weights that
+        have just produced non-finite values are not worth resuming from, the last good checkpoint is), or did
+        not finish (an error after the update but before its metrics line: weights and metrics would disagree)."""
+        version = self.learner.version
+        if version == self.saved_step or version != self.logged_step or self.health.consecutive_skipped:
             return
         trainer_state = {
             "step": self.learner.version, "initial_accuracy": self.initial_accuracy,

@@ -1,0 +1,241 @@
+"""Fault injection: kill -9 of the trainer (async and lagged) and of a rollout worker at random moments,
+SIGTERM, and a full disk; after each, resume to the end and check that no step was lost or repeated, that
+lagged metrics equal an uninterrupted run's, and that no process or shared-memory segment was left over.
+
+    python benchmarks/fault_injection.py --kills 20 --sigterms 5 --out benchmarks/fault_injection.json
+
+A moment is uniform over an uninterrupted run's wall time (start-up, evaluation, steps and checkpoint writes
+alike); a worker is killed at a moment uniform over its own lifetime. The full disk is a tmpfs (root only)
+just too small for a third checkpoint, grown again before the resume. Runs one trial at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from vcpo.testing.faults import alive, command_env, descendants, shm_segments, start_train, worker_pids
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_STEPS = 8
+MODES = {"async": ["async.mode=async", "async.max_staleness=2"],
+         "lagged": ["async.mode=lagged", "async.max_staleness=2"]}
+
+
+def base_overrides(cache: Path) -> list[str]:
+    return ["-c", "configs/quickstart.yaml", f"sft.cache_dir={cache}", "sft.steps=30", "sft.batch_size=32",
+            "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "task.eval_size=32",
+            "trainer.eval_every=4", "trainer.checkpoint_every=2", "logging.progress=false", "trainer.lr=1e-3",
+            f"trainer.max_steps={MAX_STEPS}"]
+
+
+class Watched:
+    """A `vcpo train` process whose descendants and shared-memory segments are recorded while it runs."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        self.proc = start_train(args, log, ROOT)
+        self.family: set[int] = set()
+        self.segments: set[str] = set()
+        self.worker_seen_at: float | None = None
+
+    def watch(self, seconds: float) -> None:
+        """Record the family for ``seconds`` (or until the process ends)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and self.proc.poll() is None:
+            kids = descendants(self.proc.pid)
+            if self.worker_seen_at is None and any(is_worker(p) for p in kids):
+                self.worker_seen_at = time.monotonic()
+            self.family.update(kids)
+            self.segments |= shm_segments([self.proc.pid, *kids])
+            time.sleep(0.02)
+
+    def wait(self) -> int:
+        while self.proc.poll() is None:
+            self.watch(1.0)
+        return self.proc.returncode
+
+    def leftovers(self, grace_s: float = 30.0) -> tuple[list[int], list[str]]:
+        """(processes, /dev/shm files) of this run still there ``grace_s`` after it ended."""
+        deadline = time.monotonic() + grace_s
+        while [p for p in self.family if alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # the resource tracker unlinks leaked semaphores on its way out
+        orphans = [p for p in self.family if alive(p)]
+        for pid in orphans:  # report, then clean up, so that one failure does not spoil the next trial
+            os.kill(pid, signal.SIGKILL)
+        return orphans, sorted(s for s in self.segments if os.path.exists(s))
+
+    def last_line(self) -> str:
+        lines = [line for line in self.log.read_text().splitlines() if line.strip()]
+        return lines[-1] if lines else ""
+
+
+def is_worker(pid: int) -> bool:
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def steps_of(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def without_times(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in lines]
+
+
+def finish(run_dir: Path, args: list[str], logs: Path) -> dict:
+    """Resume (or, when the interrupted start left no run directory, start afresh) until the run completes."""
+    orphans = segments = 0
+    for attempt in range(1, 4):
+        cmd = ["--resume", str(run_dir)] if (run_dir / "config.yaml").is_file() else args
+        run = Watched(cmd, logs / f"resume-{attempt}.txt")
+        code = run.wait()
+        left = run.leftovers()
+        orphans, segments = orphans + len(left[0]), segments + len(left[1])
+        if code == 0:
+            break
+    return {"resumes": attempt, "final_exit": code, "resume_orphans": orphans, "resume_leftover_shm": segments}
+
+
+def trial(kind: str, mode: str, moment_s: float, work: Path, base: list[str], reference: list[dict] | None) -> dict:
+    """One interruption (``kind``: trainer, worker or sigterm) at ``moment_s``, then resume to the end and check."""
+    run_dir = work / "run"
+    args = [*base, *MODES[mode], f"run_dir={run_dir}"]
+    run = Watched(args, work / "interrupted.txt")
+    result: dict = {"kind": kind, "mode": mode, "moment_s": round(moment_s, 2)}
+    if kind == "worker":  # the moment counts from the worker's start
+        try:
+            worker = worker_pids(run.proc.pid)[0]
+        except TimeoutError:
+            worker = None
+        run.watch(moment_s)
+        if worker is not None and alive(worker) and run.proc.poll() is None:
+            os.kill(worker, signal.SIGKILL)
+            result["killed"] = True
+    else:
+        run.watch(moment_s)
+        if run.proc.poll() is None:
+            run.proc.send_signal(signal.SIGKILL if kind == "trainer" else signal.SIGTERM)
+            result["killed"] = True
+    result["exit"] = run.wait()
+    result["steps_at_interrupt"] = len(steps_of(run_dir))
+    result["last_line"] = run.last_line()
+    latest = run_dir / "checkpoints" / "latest"
+    result["checkpoint_at_interrupt"] = int(latest.read_text().split("_")[1]) if latest.is_file() else 0
+    orphans, segments = run.leftovers()
+    result |= {"orphans": len(orphans), "leftover_shm": len(segments)}
+    result |= finish(run_dir, args, work) if result["exit"] != 0 else {"resumes": 0, "final_exit": 0}
+    steps = steps_of(run_dir)
+    expected = list(range(1, MAX_STEPS + 1))
+    result["steps_ok"] = steps == expected
+    result["lost_or_repeated"] = len(set(expected) ^ set(steps)) + len(steps) - len(set(steps))
+    if reference is not None and result["steps_ok"]:
+        result["metrics_equal"] = without_times(run_dir) == reference
+    if (run_dir / "summary.json").is_file():
+        result["worker_restarts"] = json.loads((run_dir / "summary.json").read_text())["worker_restarts"]
+    return result
+
+
+def full_disk_trial(work: Path, base: list[str], size_mb: int) -> dict:
+    """Checkpoints (about 5 MB each) on a tmpfs of ``size_mb``: the third does not fit. Then grow it and resume."""
+    disk = work / "disk"
+    disk.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(disk)], check=True)
+    try:
+        run_dir = disk / "run"
+        args = [*base, *MODES["lagged"], f"run_dir={run_dir}"]
+        run = Watched(args, work / "interrupted.txt")
+        result = {"kind": "full disk", "mode": "lagged", "exit": run.wait(), "last_line": run.last_line(),
+                  "steps_at_interrupt": len(steps_of(run_dir))}
+        result["checkpoints_left"] = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        subprocess.run(["mount", "-o", "remount,size=256m", str(disk)], check=True)
+        result |= finish(run_dir, args, work)
+        result["steps_ok"] = steps_of(run_dir) == list(range(1, MAX_STEPS + 1))
+        return result
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=20, help="random moments per kill scenario")
+    parser.add_argument("--sigterms", type=int, default=5, help="random moments per mode for SIGTERM")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--disk-mb", type=int, default=13, help="tmpfs size of the full-disk trial (0: skip it)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "fault_injection.json")
+    opts = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="vcpo-faults-"))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped benchmark still cleans up (finally)
+    try:
+        results = run_trials(opts, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    opts.out.write_text(json.dumps(results, indent=1))
+    summarize(results["results"])
+
+
+def run_trials(opts: argparse.Namespace, root: Path) -> dict:
+    rng = random.Random(opts.seed)
+    base = base_overrides(root / "cache")
+    warm = subprocess.run([sys.executable, "-m", "vcpo.cli", "sft", *base], cwd=ROOT, env=command_env(),
+                          capture_output=True, text=True)  # the warm start once, so that no timed run pays it
+    assert warm.returncode == 0, warm.stderr
+    durations, references = {}, {}
+    for mode in MODES:  # uninterrupted runs: the time span of the moments, and the lagged reference metrics
+        ref = root / f"reference-{mode}"
+        ref.mkdir()
+        run = Watched([*base, *MODES[mode], f"run_dir={ref / 'run'}"], ref / "log.txt")
+        started = time.monotonic()
+        assert run.wait() == 0, run.last_line()
+        durations[mode] = time.monotonic() - started
+        if run.worker_seen_at is not None:
+            durations["worker"] = time.monotonic() - run.worker_seen_at
+        references[mode] = without_times(ref / "run") if mode == "lagged" else None
+    plan = [("trainer", "async", opts.kills), ("trainer", "lagged", opts.kills), ("worker", "async", opts.kills),
+            ("sigterm", "async", opts.sigterms), ("sigterm", "lagged", opts.sigterms)]
+    results = []
+    for kind, mode, n in plan:
+        for i in range(n):
+            work = root / f"{kind}-{mode}-{i}"
+            work.mkdir()
+            span = durations["worker" if kind == "worker" else mode]
+            results.append(trial(kind, mode, rng.uniform(0.0, span), work, base, references[mode]))
+            print(json.dumps(results[-1]), flush=True)
+            shutil.rmtree(work, ignore_errors=True)
+    if opts.disk_mb and os.geteuid() == 0:
+        results.append(full_disk_trial(root / "disk-trial", base, opts.disk_mb))
+        print(json.dumps(results[-1]), flush=True)
+    return {"durations_s": durations, "results": results}
+
+
+def summarize(results: list[dict]) -> None:
+    print("\n| scenario | trials | interrupted | resumed to the end | steps lost or repeated | lagged metrics equal "
+          "| orphan processes | leftover /dev/shm files |")
+    print("|---|---|---|---|---|---|---|---|")
+    for key in sorted({(r["kind"], r["mode"]) for r in results}):
+        rs = [r for r in results if (r["kind"], r["mode"]) == key]
+        equal = [r["metrics_equal"] for r in rs if "metrics_equal" in r]
+        orphans = sum(r.get("orphans", 0) + r.get("resume_orphans", 0) for r in rs)
+        shm = sum(r.get("leftover_shm", 0) + r.get("resume_leftover_shm", 0) for r in rs)
+        print(f"| {key[0]} ({key[1]}) | {len(rs)} | {sum(bool(r.get('killed')) or r['exit'] != 0 for r in rs)} "
+              f"| {sum(r['final_exit'] == 0 and r['steps_ok'] for r in rs)} "
+              f"| {sum(r.get('lost_or_repeated', 0) for r in rs)} | {f'{sum(equal)}/{len(equal)}' if equal else '-'} "
+              f"| {orphans} | {shm} |")
+
+
+if __name__ == "__main__":
+    main()
