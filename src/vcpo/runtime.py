@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -46,6 +47,24 @@ def configure_cpu(threads: int) -> None:
     keep_freed_memory()
 
 
+def _find_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_PRCTL = _find_prctl()  # looked up once here: a preexec_fn (below) should not load libraries between fork and exec
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent (thread) dies; Linux only, returns whether
+    it applied. As ``preexec_fn`` of a ``subprocess.Popen`` it runs in the child and survives its ``exec``."""
+    return _PRCTL is not None and _PRCTL(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+
+
 def die_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
     """End this process when ``parent_pid`` ends, however it ends (``kill -9`` included).
 
@@ -54,11 +73,7 @@ def die_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
     the request took effect, this exits at once; a watchdog thread polling the parent id covers platforms
     without prctl (the parent's death re-parents this process).
     """
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):  # not glibc: the watchdog still covers it
-            pass
+    set_parent_death_signal()  # where it does not apply, the watchdog still covers it
     if os.getppid() != parent_pid:
         os._exit(1)
     threading.Thread(target=_watch_parent, args=(parent_pid, poll_s), daemon=True, name="vcpo-parent-watchdog").start()

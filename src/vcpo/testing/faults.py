@@ -6,25 +6,20 @@ Linux only (it reads /proc). Everything waits with a deadline and raises ``Timeo
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from vcpo.runtime import set_parent_death_signal
+
 SHM = "/dev/shm/"
-_PR_SET_PDEATHSIG = 1
 
 
 def command_env() -> dict[str, str]:
     """The environment a test or benchmark runs `vcpo` in: offline, one thread per process."""
     return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-
-
-def _die_with_caller() -> None:  # runs in the child between fork and exec; the request survives exec
-    ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def start_train(args: list[str], log: Path, cwd: Path) -> subprocess.Popen:
@@ -33,7 +28,7 @@ def start_train(args: list[str], log: Path, cwd: Path) -> subprocess.Popen:
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", *args], cwd=cwd, stdout=out,
                                 stderr=subprocess.STDOUT, env=command_env(), start_new_session=True,
-                                preexec_fn=_die_with_caller)
+                                preexec_fn=set_parent_death_signal)
 
 
 def _stat(pid: int) -> tuple[str, int] | None:

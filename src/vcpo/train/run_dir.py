@@ -86,7 +86,8 @@ class RunDirectory:
     """Creates the run directory when a run starts and removes it again when that start fails.
 
     ``open`` (called once everything that can fail cheaply has been checked) writes ``config.yaml``
-    atomically; a fresh start also clears what an earlier, checkpoint-less run left. ``discard`` (on a
+    atomically and removes ``summary.json`` (it marks a run that is over: completed or stopped); a fresh
+    start also clears the metrics an earlier, checkpoint-less run left. ``discard`` (on a
     failure before the first checkpoint of a fresh start) removes everything ``open`` and the run made,
     so that no directory remains that ``--resume`` would accept; a resumed run's directory is never removed.
     """
@@ -100,9 +101,9 @@ class RunDirectory:
     def open(self, config: Config) -> None:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+            (self.path / SUMMARY_FILE).unlink(missing_ok=True)  # written again when the run ends
             if not self.resume:
-                for name in (METRICS_FILE, SUMMARY_FILE):
-                    (self.path / name).unlink(missing_ok=True)
+                (self.path / METRICS_FILE).unlink(missing_ok=True)
         except OSError as e:
             raise DiskError(self.path, e) from None
         self._opened = True

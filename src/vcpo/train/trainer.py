@@ -201,8 +201,7 @@ class _Job:
             if self.learner.version == self.start_step:
                 raise RunInterrupted(f"interrupted by {sig} before a step finished; nothing new was kept",
                                      self.signals.signum) from None
-            self.checkpoint()
-            self.finish(f"interrupted by {sig}")
+            self.checkpoint()  # no summary.json: the run is not over (a sweep takes one as a finished cell)
             raise RunInterrupted(f"interrupted by {sig} after step {self.learner.version}: {self.kept()}",
                                  self.signals.signum) from None
         except ForcedExit as e:
