@@ -255,3 +255,13 @@ def test_summary_counts_reach_the_final_line():
                      "worker_restarts": 1})
     assert line == ("held-out accuracy: 0.300 before RL -> 0.000 after 4 steps (2 s); skipped steps 3, dropped "
                     "groups 1, reward errors 2 (timeouts 1), worker restarts 1; run: r")
+
+
+def test_a_checkpoint_set_aside_is_never_resumed_from(tmp_path):
+    from vcpo.train.checkpoint import set_aside
+
+    saved_run(tmp_path)  # steps 2 and 4; latest = 4
+    assert set_aside(tmp_path, 4).name == "step_000002"
+    assert latest_checkpoint(tmp_path).name == "step_000002"
+    assert (tmp_path / "checkpoints" / "step_000004.suspect" / "trainer_state.json").is_file()
+    assert set_aside(tmp_path, 2) is None and latest_checkpoint(tmp_path) is None

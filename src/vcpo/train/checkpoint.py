@@ -25,7 +25,7 @@ from vcpo.errors import DiskError, UserError
 from vcpo.metrics import fsync_dir
 from vcpo.train.run_dir import LATEST_FILE, complete_checkpoints, latest_checkpoint
 
-__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "set_aside"]
 
 
 class CheckpointError(UserError):
@@ -162,6 +162,25 @@ def save_checkpoint(
     for path in ckpt_root.glob("step_*.tmp-*"):
         shutil.rmtree(path, ignore_errors=True)
     return final
+
+
+def set_aside(run_dir: Path, step: int) -> Path | None:
+    """Rename step ``step``'s checkpoint to ``step_N.suspect`` (kept for inspection, never resumed from) and point
+    ``latest`` at the newest remaining complete one; returns that one (None: none is left, ``latest`` removed)."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    target = ckpt_root / _step_dir_name(step)
+    try:
+        if target.is_dir():
+            os.replace(target, target.with_name(f"{target.name}.suspect"))
+        remaining = complete_checkpoints(run_dir)
+        if remaining:
+            _write_latest(ckpt_root, remaining[-1][1].name)
+        else:
+            (ckpt_root / LATEST_FILE).unlink(missing_ok=True)
+        fsync_dir(ckpt_root)
+    except OSError as e:
+        raise DiskError(target, e) from None
+    return remaining[-1][1] if remaining else None
 
 
 def _move_into_place(tmp: Path, final: Path) -> None:

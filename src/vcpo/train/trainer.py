@@ -30,7 +30,7 @@ from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu
 from vcpo.tasks import make_task
-from vcpo.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from vcpo.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, set_aside
 from vcpo.train.health import RunHealth
 from vcpo.train.learner import Learner
 from vcpo.train.run_dir import SUMMARY_FILE, RunDirectory, resume_candidates
@@ -209,6 +209,7 @@ class _Job:
                                  e.signum) from None
         except RunFailed as e:
             self.checkpoint()
+            self.set_aside_suspect()
             self.finish(f"stopped: {e}")
             raise RunFailed(f"stopped at step {self.learner.version}: {e}; {self.kept()}") from None
         except DiskError:  # a full or read-only disk refuses the checkpoint too: the previous one stays the latest
@@ -274,6 +275,15 @@ class _Job:
             raise RunFailed(str(e)) from None
         self.saved_step = self.learner.version
 
+    def set_aside_suspect(self) -> None:
+        """After a run of skipped steps, the checkpoint of the step just before it holds the weights that went on
+        to fail (finite, yet producing NaN): set it aside so that a resume starts from the one before."""
+        suspect = self.learner.version - self.health.consecutive_skipped
+        if self.health.consecutive_skipped and self.saved_step == suspect > 0:
+            kept = set_aside(self.run_dir, suspect)
+            self.saved_step = int(kept.name.split("_")[1]) if kept is not None else 0
+            say(f"warning: set aside the checkpoint of step {suspect}, written just before the skipped steps")
+
     def checkpoint_after_crash(self) -> None:
         """On an unexpected error, keep every finished step if possible, without hiding the error itself."""
         if self.source is None or self.learner.version == self.saved_step:
@@ -287,7 +297,7 @@ class _Job:
     def kept(self) -> str:
         """Where a resume would start."""
         if self.saved_step == 0:
-            return "no checkpoint was written"
+            return "no checkpoint to resume from"
         return f"the latest checkpoint is step {self.saved_step}; continue with --resume {self.run_dir}"
 
     def finish(self, status: str) -> dict[str, Any]:
