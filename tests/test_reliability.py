@@ -1,16 +1,12 @@
 """No silent failure and no lost work, piece by piece: non-finite samples and steps are skipped and counted,
 non-finite weights are never checkpointed, resume skips a corrupt checkpoint, disk errors are one line
-naming the path, a failed start removes what it wrote, signals stop the loop, children die with their parent."""
+naming the path, a failed start removes what it wrote."""
 
 from __future__ import annotations
 
 import errno
 import math
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -26,7 +22,6 @@ from vcpo.train.checkpoint import CheckpointError, latest_checkpoint, save_check
 from vcpo.train.health import RunHealth
 from vcpo.train.learner import Learner
 from vcpo.train.run_dir import RunDirectory, check_start, check_writable
-from vcpo.train.signals import ForcedExit, StopRequested, StopSignals
 from vcpo.train.trainer import restore
 from vcpo.types import Batch, SamplingParams, Trajectory
 
@@ -203,48 +198,6 @@ def test_a_failed_start_leaves_no_run_directory(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="could not start"):
         trainer.train(load_config(None, common))
     assert not run_dir.exists()
-
-
-def test_the_first_signal_asks_the_second_forces():
-    with StopSignals() as signals:
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert signals.signum == signal.SIGTERM  # the loop sees it between steps
-        with pytest.raises(StopRequested), signals.interruptible():
-            pass  # a stop already requested ends an interruptible block at once
-        with pytest.raises(ForcedExit):
-            os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-
-
-def test_a_child_dies_with_its_parent_however_the_parent_dies(tmp_path):
-    pid_file = tmp_path / "child.pid"
-    child = (f"import os, time\nfrom vcpo.runtime import die_with_parent\ndie_with_parent({{parent}})\n"
-             f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
-    parent = (f"import os, subprocess, sys, time\ncode = {child!r}.replace('{{parent}}', str(os.getpid()))\n"
-              "subprocess.Popen([sys.executable, '-c', code])\ntime.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, "-c", parent])
-    try:
-        deadline = time.monotonic() + 60
-        while not pid_file.exists() or not pid_file.read_text():
-            assert time.monotonic() < deadline, "the child never started"
-            time.sleep(0.1)
-        child_pid = int(pid_file.read_text())
-        proc.kill()  # kill -9: no handler, no cleanup in the parent
-        proc.wait()
-        deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{child_pid}") and "Z" not in _state(child_pid):
-            assert time.monotonic() < deadline, "the child outlived its parent"
-            time.sleep(0.05)
-    finally:
-        proc.kill()
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
 
 
 def test_summary_counts_reach_the_final_line():

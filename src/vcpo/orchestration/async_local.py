@@ -168,7 +168,7 @@ class AsyncSource:
             now = time.monotonic()
             for i, w in enumerate(self.workers):
                 if w.held and now - w.last_heard > self.spec.handoff_timeout_s:
-                    raise RunFailed(f"rollout worker {i} sent nothing for {now - w.last_heard:.0f} s while holding "
+                    raise RunFailed(f"rollout worker {i} sent nothing for {now - w.last_heard:.1f} s while holding "
                                     f"{len(w.held)} group(s) (async.handoff_timeout_s={self.spec.handoff_timeout_s:g})")
         return self._inbox.popleft()
 
