@@ -2,11 +2,14 @@
 SIGTERM, and a full disk; after each, resume to the end and check that no step was lost or repeated, that
 lagged metrics equal an uninterrupted run's, and that no process or shared-memory segment was left over.
 
-    python benchmarks/fault_injection.py --kills 20 --sigterms 5 --out benchmarks/fault_injection.json
+    python benchmarks/fault_injection.py --kills 20 --sigterms 5 --startup-sigterms 3
 
-A moment is uniform over an uninterrupted run's wall time (start-up, evaluation, steps and checkpoint writes
-alike); a worker is killed at a moment uniform over its own lifetime. The full disk is a tmpfs (root only)
-just too small for a third checkpoint, grown again before the resume. Runs one trial at a time.
+Two phases of a run are timed on an uninterrupted one: start-up (imports, warm start, model load, first
+evaluation, worker start; until the first metrics line) and training (from the first metrics line to the
+end: steps, evaluations, checkpoint writes, shutdown). Kills of the trainer and of a worker, and most
+SIGTERMs, come at a moment uniform over the training phase, counted from the first metrics line; the
+start-up SIGTERMs at a moment uniform over start-up. The full disk is a tmpfs (root only) just too small
+for a third checkpoint, grown again before the resume. One trial at a time.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from vcpo.testing.faults import alive, command_env, descendants, shm_segments, start_train, worker_pids
+from vcpo.testing.faults import alive, command_env, descendants, line_count, shm_segments, start_train, worker_pids
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_STEPS = 8
+MAX_STEPS = 40
 MODES = {"async": ["async.mode=async", "async.max_staleness=2"],
          "lagged": ["async.mode=lagged", "async.max_staleness=2"]}
 
@@ -34,29 +37,33 @@ MODES = {"async": ["async.mode=async", "async.max_staleness=2"],
 def base_overrides(cache: Path) -> list[str]:
     return ["-c", "configs/quickstart.yaml", f"sft.cache_dir={cache}", "sft.steps=30", "sft.batch_size=32",
             "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "task.eval_size=32",
-            "trainer.eval_every=4", "trainer.checkpoint_every=2", "logging.progress=false", "trainer.lr=1e-3",
+            "trainer.eval_every=10", "trainer.checkpoint_every=5", "logging.progress=false", "trainer.lr=1e-3",
             f"trainer.max_steps={MAX_STEPS}"]
 
 
 class Watched:
     """A `vcpo train` process whose descendants and shared-memory segments are recorded while it runs."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, run_dir: Path) -> None:
         self.log = log
+        self.metrics = run_dir / "metrics.jsonl"
+        self.started = time.monotonic()
         self.proc = start_train(args, log, ROOT)
         self.family: set[int] = set()
         self.segments: set[str] = set()
-        self.worker_seen_at: float | None = None
+        self.first_line_at: float | None = None
 
-    def watch(self, seconds: float) -> None:
-        """Record the family for ``seconds`` (or until the process ends)."""
+    def watch(self, seconds: float, until_first_line: bool = False) -> None:
+        """Record the family for ``seconds`` (or until the process ends, or its first metrics line)."""
         end = time.monotonic() + seconds
         while time.monotonic() < end and self.proc.poll() is None:
             kids = descendants(self.proc.pid)
-            if self.worker_seen_at is None and any(is_worker(p) for p in kids):
-                self.worker_seen_at = time.monotonic()
             self.family.update(kids)
             self.segments |= shm_segments([self.proc.pid, *kids])
+            if self.first_line_at is None and line_count(self.metrics) > 0:
+                self.first_line_at = time.monotonic()
+            if until_first_line and self.first_line_at is not None:
+                return
             time.sleep(0.02)
 
     def wait(self) -> int:
@@ -80,13 +87,6 @@ class Watched:
         return lines[-1] if lines else ""
 
 
-def is_worker(pid: int) -> bool:
-    try:
-        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
 def steps_of(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
@@ -102,7 +102,7 @@ def finish(run_dir: Path, args: list[str], logs: Path) -> dict:
     orphans = segments = 0
     for attempt in range(1, 4):
         cmd = ["--resume", str(run_dir)] if (run_dir / "config.yaml").is_file() else args
-        run = Watched(cmd, logs / f"resume-{attempt}.txt")
+        run = Watched(cmd, logs / f"resume-{attempt}.txt", run_dir)
         code = run.wait()
         left = run.leftovers()
         orphans, segments = orphans + len(left[0]), segments + len(left[1])
@@ -111,26 +111,24 @@ def finish(run_dir: Path, args: list[str], logs: Path) -> dict:
     return {"resumes": attempt, "final_exit": code, "resume_orphans": orphans, "resume_leftover_shm": segments}
 
 
-def trial(kind: str, mode: str, moment_s: float, work: Path, base: list[str], reference: list[dict] | None) -> dict:
-    """One interruption (``kind``: trainer, worker or sigterm) at ``moment_s``, then resume to the end and check."""
+def trial(kind: str, mode: str, phase: str, moment_s: float, work: Path, base: list[str],
+          reference: list[dict] | None) -> dict:
+    """One interruption (``kind``: trainer, worker or sigterm) ``moment_s`` into ``phase`` (startup: from the
+    command's start; training: from the first metrics line), then resume to the end and check."""
     run_dir = work / "run"
     args = [*base, *MODES[mode], f"run_dir={run_dir}"]
-    run = Watched(args, work / "interrupted.txt")
-    result: dict = {"kind": kind, "mode": mode, "moment_s": round(moment_s, 2)}
-    if kind == "worker":  # the moment counts from the worker's start
-        try:
-            worker = worker_pids(run.proc.pid)[0]
-        except TimeoutError:
-            worker = None
-        run.watch(moment_s)
-        if worker is not None and alive(worker) and run.proc.poll() is None:
-            os.kill(worker, signal.SIGKILL)
-            result["killed"] = True
-    else:
-        run.watch(moment_s)
+    run = Watched(args, work / "interrupted.txt", run_dir)
+    result: dict = {"kind": kind, "mode": mode, "phase": phase, "moment_s": round(moment_s, 2)}
+    if phase == "training":
+        run.watch(600, until_first_line=True)
+    run.watch(moment_s)
+    try:
         if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGKILL if kind == "trainer" else signal.SIGTERM)
+            target = worker_pids(run.proc.pid, timeout_s=5)[0] if kind == "worker" else run.proc.pid
+            os.kill(target, signal.SIGTERM if kind == "sigterm" else signal.SIGKILL)
             result["killed"] = True
+    except (TimeoutError, ProcessLookupError):  # the run ended just before the moment
+        pass
     result["exit"] = run.wait()
     result["steps_at_interrupt"] = len(steps_of(run_dir))
     result["last_line"] = run.last_line()
@@ -158,7 +156,7 @@ def full_disk_trial(work: Path, base: list[str], size_mb: int) -> dict:
     try:
         run_dir = disk / "run"
         args = [*base, *MODES["lagged"], f"run_dir={run_dir}"]
-        run = Watched(args, work / "interrupted.txt")
+        run = Watched(args, work / "interrupted.txt", run_dir)
         result = {"kind": "full disk", "mode": "lagged", "exit": run.wait(), "last_line": run.last_line(),
                   "steps_at_interrupt": len(steps_of(run_dir))}
         result["checkpoints_left"] = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
@@ -173,7 +171,8 @@ def full_disk_trial(work: Path, base: list[str], size_mb: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=20, help="random moments per kill scenario")
-    parser.add_argument("--sigterms", type=int, default=5, help="random moments per mode for SIGTERM")
+    parser.add_argument("--sigterms", type=int, default=5, help="SIGTERMs per mode during training")
+    parser.add_argument("--startup-sigterms", type=int, default=3, help="SIGTERMs per mode during start-up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--disk-mb", type=int, default=13, help="tmpfs size of the full-disk trial (0: skip it)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "fault_injection.json")
@@ -194,47 +193,49 @@ def run_trials(opts: argparse.Namespace, root: Path) -> dict:
     warm = subprocess.run([sys.executable, "-m", "vcpo.cli", "sft", *base], cwd=ROOT, env=command_env(),
                           capture_output=True, text=True)  # the warm start once, so that no timed run pays it
     assert warm.returncode == 0, warm.stderr
-    durations, references = {}, {}
-    for mode in MODES:  # uninterrupted runs: the time span of the moments, and the lagged reference metrics
+    spans, references = {}, {}
+    for mode in MODES:  # uninterrupted runs: the time span of each phase, and the lagged reference metrics
         ref = root / f"reference-{mode}"
         ref.mkdir()
-        run = Watched([*base, *MODES[mode], f"run_dir={ref / 'run'}"], ref / "log.txt")
-        started = time.monotonic()
+        run = Watched([*base, *MODES[mode], f"run_dir={ref / 'run'}"], ref / "log.txt", ref / "run")
         assert run.wait() == 0, run.last_line()
-        durations[mode] = time.monotonic() - started
-        if run.worker_seen_at is not None:
-            durations["worker"] = time.monotonic() - run.worker_seen_at
+        spans[mode] = {"startup": run.first_line_at - run.started, "training": time.monotonic() - run.first_line_at}
         references[mode] = without_times(ref / "run") if mode == "lagged" else None
-    plan = [("trainer", "async", opts.kills), ("trainer", "lagged", opts.kills), ("worker", "async", opts.kills),
-            ("sigterm", "async", opts.sigterms), ("sigterm", "lagged", opts.sigterms)]
+    plan = [("trainer", "async", "training", opts.kills), ("trainer", "lagged", "training", opts.kills),
+            ("worker", "async", "training", opts.kills), ("sigterm", "async", "training", opts.sigterms),
+            ("sigterm", "lagged", "training", opts.sigterms), ("sigterm", "async", "startup", opts.startup_sigterms),
+            ("sigterm", "lagged", "startup", opts.startup_sigterms)]
     results = []
-    for kind, mode, n in plan:
+    for kind, mode, phase, n in plan:
         for i in range(n):
-            work = root / f"{kind}-{mode}-{i}"
+            work = root / f"{kind}-{mode}-{phase}-{i}"
             work.mkdir()
-            span = durations["worker" if kind == "worker" else mode]
-            results.append(trial(kind, mode, rng.uniform(0.0, span), work, base, references[mode]))
+            moment = rng.uniform(0.0, spans[mode][phase])
+            results.append(trial(kind, mode, phase, moment, work, base, references[mode]))
             print(json.dumps(results[-1]), flush=True)
             shutil.rmtree(work, ignore_errors=True)
     if opts.disk_mb and os.geteuid() == 0:
         results.append(full_disk_trial(root / "disk-trial", base, opts.disk_mb))
         print(json.dumps(results[-1]), flush=True)
-    return {"durations_s": durations, "results": results}
+    return {"spans_s": spans, "results": results}
 
 
 def summarize(results: list[dict]) -> None:
-    print("\n| scenario | trials | interrupted | resumed to the end | steps lost or repeated | lagged metrics equal "
-          "| orphan processes | leftover /dev/shm files |")
-    print("|---|---|---|---|---|---|---|---|")
-    for key in sorted({(r["kind"], r["mode"]) for r in results}):
-        rs = [r for r in results if (r["kind"], r["mode"]) == key]
+    print("\n| scenario (mode, phase) | trials | interrupted | resumed to the end | steps lost or repeated "
+          "| lagged metrics equal | SIGTERM: every finished step checkpointed | orphan processes "
+          "| leftover /dev/shm files |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key in sorted({(r["kind"], r["mode"], r.get("phase", "-")) for r in results}):
+        rs = [r for r in results if (r["kind"], r["mode"], r.get("phase", "-")) == key]
         equal = [r["metrics_equal"] for r in rs if "metrics_equal" in r]
         orphans = sum(r.get("orphans", 0) + r.get("resume_orphans", 0) for r in rs)
         shm = sum(r.get("leftover_shm", 0) + r.get("resume_leftover_shm", 0) for r in rs)
-        print(f"| {key[0]} ({key[1]}) | {len(rs)} | {sum(bool(r.get('killed')) or r['exit'] != 0 for r in rs)} "
+        interrupted = sum(bool(r.get("killed")) or r["exit"] != 0 for r in rs)
+        stopped = [r["checkpoint_at_interrupt"] == r["steps_at_interrupt"] for r in rs if r["exit"] == 143]
+        print(f"| {key[0]} ({key[1]}, {key[2]}) | {len(rs)} | {interrupted} "
               f"| {sum(r['final_exit'] == 0 and r['steps_ok'] for r in rs)} "
               f"| {sum(r.get('lost_or_repeated', 0) for r in rs)} | {f'{sum(equal)}/{len(equal)}' if equal else '-'} "
-              f"| {orphans} | {shm} |")
+              f"| {f'{sum(stopped)}/{len(stopped)}' if stopped else '-'} | {orphans} | {shm} |")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ be; 1 a run that started and could not go on; 128 + signal when SIGTERM (143) or
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -19,6 +20,9 @@ app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
 )
 console = Console(stderr=True)
+
+if TYPE_CHECKING:
+    from vcpo.train.signals import StopSignals
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
 Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.lr=1e-4 async.mode=sync")]
@@ -82,35 +86,45 @@ def train(
 
     SIGTERM or SIGINT: the run checkpoints its last finished step and exits 143 or 130 (a second one exits at once).
     """
+    from vcpo.train.signals import StopSignals
+
+    try:
+        with StopSignals() as signals:  # from the start: a signal during the heavy imports ends the command cleanly
+            _train(config, overrides, resume, signals)
+    finally:  # the command is over: a late signal must not turn its exit status into a kill
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def _train(config: Path | None, overrides: list[str] | None, resume: Path | None, signals: StopSignals) -> None:
     from vcpo.errors import RunFailed, RunInterrupted, UserError, signal_name
-    from vcpo.train.signals import ForcedExit, StopRequested, StopSignals
+    from vcpo.train.signals import ForcedExit, StopRequested
 
-    with StopSignals() as signals:  # from the start: a signal during the heavy imports ends the command cleanly
-        try:
-            from vcpo.train.run_dir import check_start
+    try:
+        from vcpo.train.run_dir import check_start
 
-            cfg = _load(config, overrides, resume)
-            check_start(cfg, resume=resume is not None)  # all before the heavy import below
-            with signals.interruptible():
-                _quiet_libraries()
-                from vcpo.train.health import describe
-                from vcpo.train.trainer import train as run_training
-            summary = run_training(cfg, resume=resume is not None, signals=signals)
-            console.print(describe(summary), markup=False, highlight=False, soft_wrap=True)
-        except UserError as exc:
-            _fail(exc)
-        except RunFailed as exc:
-            _fail(exc, code=1)
-        except RunInterrupted as exc:
-            print(exc, file=sys.stderr)
-            raise typer.Exit(exc.exit_code) from None
-        except StopRequested:
-            print(f"interrupted by {signal_name(signals.signum)} before the run started; nothing was written",
-                  file=sys.stderr)
-            raise typer.Exit(128 + signals.signum) from None
-        except ForcedExit as exc:  # a second signal while the first one's checkpoint was being written
-            print(f"exited at once on a second {signal_name(exc.signum)}", file=sys.stderr)
-            raise typer.Exit(128 + exc.signum) from None
+        cfg = _load(config, overrides, resume)
+        check_start(cfg, resume=resume is not None)  # all before the heavy import below
+        with signals.interruptible():
+            _quiet_libraries()
+            from vcpo.train.health import describe
+            from vcpo.train.trainer import train as run_training
+        summary = run_training(cfg, resume=resume is not None, signals=signals)
+        console.print(describe(summary), markup=False, highlight=False, soft_wrap=True)
+    except UserError as exc:
+        _fail(exc)
+    except RunFailed as exc:
+        _fail(exc, code=1)
+    except RunInterrupted as exc:
+        print(exc, file=sys.stderr)
+        raise typer.Exit(exc.exit_code) from None
+    except StopRequested:
+        print(f"interrupted by {signal_name(signals.signum)} before the run started; nothing was written",
+              file=sys.stderr)
+        raise typer.Exit(128 + signals.signum) from None
+    except ForcedExit as exc:  # a second signal while the first one's checkpoint was being written
+        print(f"exited at once on a second {signal_name(exc.signum)}", file=sys.stderr)
+        raise typer.Exit(128 + exc.signum) from None
 
 
 @app.command("eval")
