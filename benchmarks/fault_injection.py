@@ -4,12 +4,13 @@ lagged metrics equal an uninterrupted run's, and that no process or shared-memor
 
     python benchmarks/fault_injection.py --kills 20 --sigterms 5 --startup-sigterms 3
 
-Two phases of a run are timed on an uninterrupted one: start-up (imports, warm start, model load, first
-evaluation, worker start; until the first metrics line) and training (from the first metrics line to the
-end: steps, evaluations, checkpoint writes, shutdown). Kills of the trainer and of a worker, and most
-SIGTERMs, come at a moment uniform over the training phase, counted from the first metrics line; the
-start-up SIGTERMs at a moment uniform over start-up. The full disk is a tmpfs (root only) just too small
-for a third checkpoint, grown again before the resume. One trial at a time.
+Kills of the trainer and of a worker, and most SIGTERMs, come during training: once the metrics file has a
+random number of lines L (1 to 39 of 40 steps), after a further delay uniform over one step of an
+uninterrupted run, so that they land anywhere in a step (waiting for rollouts, the update, publishing
+weights, every 10th an evaluation, every 5th a checkpoint write) whatever the machine's load. Start-up
+SIGTERMs come at a moment uniform over an uninterrupted run's start-up (imports, model load, first
+evaluation, worker start). The full disk is a tmpfs (root only) just too small for a third checkpoint,
+grown again before the resume. One trial at a time.
 """
 
 from __future__ import annotations
@@ -53,16 +54,17 @@ class Watched:
         self.segments: set[str] = set()
         self.first_line_at: float | None = None
 
-    def watch(self, seconds: float, until_first_line: bool = False) -> None:
-        """Record the family for ``seconds`` (or until the process ends, or its first metrics line)."""
+    def watch(self, seconds: float, until_lines: int | None = None) -> None:
+        """Record the family for ``seconds`` (or until the process ends, or its metrics file has ``until_lines``)."""
         end = time.monotonic() + seconds
         while time.monotonic() < end and self.proc.poll() is None:
             kids = descendants(self.proc.pid)
             self.family.update(kids)
             self.segments |= shm_segments([self.proc.pid, *kids])
-            if self.first_line_at is None and line_count(self.metrics) > 0:
+            count = line_count(self.metrics)
+            if self.first_line_at is None and count > 0:
                 self.first_line_at = time.monotonic()
-            if until_first_line and self.first_line_at is not None:
+            if until_lines is not None and count >= until_lines:
                 return
             time.sleep(0.02)
 
@@ -111,17 +113,18 @@ def finish(run_dir: Path, args: list[str], logs: Path) -> dict:
     return {"resumes": attempt, "final_exit": code, "resume_orphans": orphans, "resume_leftover_shm": segments}
 
 
-def trial(kind: str, mode: str, phase: str, moment_s: float, work: Path, base: list[str],
+def trial(kind: str, mode: str, moment: tuple[int, float], work: Path, base: list[str],
           reference: list[dict] | None) -> dict:
-    """One interruption (``kind``: trainer, worker or sigterm) ``moment_s`` into ``phase`` (startup: from the
-    command's start; training: from the first metrics line), then resume to the end and check."""
+    """One interruption (``kind``: trainer, worker or sigterm) at ``moment`` = (metrics lines L, then seconds;
+    L = 0: seconds from the command's start), then resume to the end and check."""
     run_dir = work / "run"
     args = [*base, *MODES[mode], f"run_dir={run_dir}"]
     run = Watched(args, work / "interrupted.txt", run_dir)
-    result: dict = {"kind": kind, "mode": mode, "phase": phase, "moment_s": round(moment_s, 2)}
-    if phase == "training":
-        run.watch(600, until_first_line=True)
-    run.watch(moment_s)
+    lines, delay_s = moment
+    result: dict = {"kind": kind, "mode": mode, "phase": "training" if lines else "startup", "after_lines": lines,
+                    "delay_s": round(delay_s, 3)}
+    run.watch(600, until_lines=lines)
+    run.watch(delay_s)
     try:
         if run.proc.poll() is None:
             target = worker_pids(run.proc.pid, timeout_s=5)[0] if kind == "worker" else run.proc.pid
@@ -207,11 +210,15 @@ def run_trials(opts: argparse.Namespace, root: Path) -> dict:
             ("sigterm", "lagged", "startup", opts.startup_sigterms)]
     results = []
     for kind, mode, phase, n in plan:
+        step_s = spans[mode]["training"] / MAX_STEPS
         for i in range(n):
             work = root / f"{kind}-{mode}-{phase}-{i}"
             work.mkdir()
-            moment = rng.uniform(0.0, spans[mode][phase])
-            results.append(trial(kind, mode, phase, moment, work, base, references[mode]))
+            if phase == "training":
+                moment = (rng.randint(1, MAX_STEPS - 1), rng.uniform(0.0, step_s))
+            else:
+                moment = (0, rng.uniform(0.0, spans[mode]["startup"]))
+            results.append(trial(kind, mode, moment, work, base, references[mode]))
             print(json.dumps(results[-1]), flush=True)
             shutil.rmtree(work, ignore_errors=True)
     if opts.disk_mb and os.geteuid() == 0:
