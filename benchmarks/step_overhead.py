@@ -9,6 +9,8 @@ the last line is ``vcpo_fast/grpo step-time ratio: X.XX`` (the ratio of the medi
     python benchmarks/step_overhead.py --quick    # fewer repeats, under 2 minutes on 2 CPU cores
     python benchmarks/step_overhead.py --setups default --equal-reward-groups 0.5   # training-like rewards
     python benchmarks/step_overhead.py --device cuda --setups large,xl   # on a GPU
+    python benchmarks/step_overhead.py --device cuda --dtype bfloat16 --setups xl,qwen05b   # bfloat16 weights
+    python benchmarks/step_overhead.py --device cuda --dtype bfloat16 --setups xl --profile vcpo_fast   # where it goes
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from unittest.mock import patch
 
 import torch
 import transformers
@@ -30,7 +33,7 @@ from vcpo.models import default as default_model
 from vcpo.runtime import configure_cpu
 from vcpo.train.learner import Learner
 from vcpo.types import Batch, SamplingParams, Trajectory
-from vcpo.variance import token_logprobs
+from vcpo.variance import ghost_layers, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Setup:
     group: int
     prompt_len: int
     response_len: int
+    kv_heads: int | None = None  # None: as many as the attention heads
 
 
 SETUPS = {
@@ -56,6 +60,14 @@ SETUPS = {
     # More layers, wider, longer sequences (random initialisation).
     "large": Setup("large", 256, 6, 8, 1024, 512, 8, 8, 32, 96),
     "xl": Setup("xl", 1024, 12, 16, 4096, 32000, 8, 8, 128, 384),
+    # Qwen2-0.5B's shape (random weights, built locally): 16 rows of up to 512 tokens.
+    "qwen05b": Setup("qwen05b", 896, 24, 14, 4864, 151936, 2, 8, 128, 384, kv_heads=2),
+    # For benchmarks/learner_memory.py: on the CPU a 32k vocabulary (32 rows of up to 256 tokens), where the
+    # log-softmax dominates, and 12 deeper layers (16 rows of up to 256 tokens), where activations do; on a GPU
+    # the issue's 0.5B target (64 rows of up to 1,024 tokens).
+    "medium": Setup("medium", 256, 4, 4, 1024, 32000, 4, 8, 64, 192),
+    "deep": Setup("deep", 512, 12, 8, 2048, 8192, 2, 8, 64, 192),
+    "qwen05b_1k": Setup("qwen05b_1k", 896, 24, 14, 4864, 151936, 8, 8, 256, 768, kv_heads=2),
 }
 
 ARMS = {
@@ -65,14 +77,14 @@ ARMS = {
 }
 
 
-def build_model(s: Setup, device: str) -> torch.nn.Module:
+def build_model(s: Setup, device: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-        num_key_value_heads=s.heads, intermediate_size=s.intermediate, tie_word_embeddings=True,
+        num_key_value_heads=s.kv_heads or s.heads, intermediate_size=s.intermediate, tie_word_embeddings=True,
         max_position_embeddings=max(512, s.prompt_len + s.response_len),
     )
-    return transformers.LlamaForCausalLM(cfg).to(device).eval()
+    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
 def build_batch(s: Setup, model: torch.nn.Module, device: str, equal_groups: float = 0.0) -> Batch:
@@ -144,17 +156,28 @@ class PeakMemory:
         return (self.peak - self.base) / 2**20
 
 
-def measure(s: Setup, device: str, repeats: int, warmup: int, equal_groups: float) -> dict[str, dict[str, float]]:
+UPCAST_ARM = "vcpo_fast_upcast"
+"""--compare-upcast: the fast arm with half-precision factors upcast to float32 for every product (the code before
+the bfloat16 factors were kept), in the same round-robin."""
+
+
+def upcast_factors() -> contextlib.AbstractContextManager:
+    return patch.object(ghost_layers, "_matmul_dtype", ghost_layers._compute_dtype)
+
+
+def measure(s: Setup, device: str, repeats: int, warmup: int, equal_groups: float,
+            dtype: torch.dtype = torch.float32, compare_upcast: bool = False) -> dict[str, dict[str, float]]:
     """Median and min step time per arm, round-robin on one batch; on CUDA also the allocator's peak."""
-    model = build_model(s, device)
+    model = build_model(s, device, dtype)
     batch = build_batch(s, model, device, equal_groups)
-    learners = {arm: Learner(copy.deepcopy(model), load_config(None, overrides)) for arm, overrides in ARMS.items()}
-    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    peaks: dict[str, float] = dict.fromkeys(ARMS, 0.0)
+    arms = {**ARMS, UPCAST_ARM: ARMS["vcpo_fast"]} if compare_upcast else ARMS
+    learners = {arm: Learner(copy.deepcopy(model), load_config(None, overrides)) for arm, overrides in arms.items()}
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    peaks: dict[str, float] = dict.fromkeys(arms, 0.0)
     for i in range(warmup + repeats):
         for arm, learner in learners.items():  # round-robin: drift hits every arm alike
             mem = PeakMemory(device) if device == "cuda" else contextlib.nullcontext()
-            with mem:
+            with mem, upcast_factors() if arm == UPCAST_ARM else contextlib.nullcontext():
                 t0 = time.perf_counter()
                 learner.step(batch)
                 if device == "cuda":
@@ -170,11 +193,11 @@ def measure(s: Setup, device: str, repeats: int, warmup: int, equal_groups: floa
             for arm, t in times.items()}
 
 
-def _cpu_peak_rise(s: Setup, arm: str, threads: int, equal_groups: float) -> float:
+def _cpu_peak_rise(s: Setup, arm: str, threads: int, equal_groups: float, dtype: torch.dtype) -> float:
     """MiB: the RSS rise of one learner step (after two warm-up steps), run in its own process."""
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
-    model = build_model(s, "cpu")
+    model = build_model(s, "cpu", dtype)
     batch = build_batch(s, model, "cpu", equal_groups)
     learner = Learner(model, load_config(None, ARMS[arm]))
     for _ in range(2):
@@ -184,7 +207,7 @@ def _cpu_peak_rise(s: Setup, arm: str, threads: int, equal_groups: float) -> flo
     return mem.mib
 
 
-def cpu_peak_memory(s: Setup, threads: int, equal_groups: float) -> dict[str, float]:
+def cpu_peak_memory(s: Setup, threads: int, equal_groups: float, dtype: torch.dtype) -> dict[str, float]:
     """Each arm's step working set on the CPU, measured apart from the timings: in a forked process that keeps
     glibc's default allocator, which returns large freed blocks, so the RSS rise during a step is what the step
     allocates (the timing process keeps freed memory for reuse, so its RSS would not move)."""
@@ -192,8 +215,26 @@ def cpu_peak_memory(s: Setup, threads: int, equal_groups: float) -> dict[str, fl
     result = {}
     for arm in ARMS:
         with ctx.Pool(1) as pool:
-            result[arm] = pool.apply(_cpu_peak_rise, (s, arm, threads, equal_groups))
+            result[arm] = pool.apply(_cpu_peak_rise, (s, arm, threads, equal_groups, dtype))
     return result
+
+
+def profile_step(s: Setup, arm: str, device: str, dtype: torch.dtype, equal_groups: float) -> None:
+    """torch.profiler's top operators (by GPU time on CUDA) of one learner step of ``arm`` after two warm-ups."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build_model(s, device, dtype)
+    batch = build_batch(s, model, device, equal_groups)
+    learner = Learner(model, load_config(None, ARMS[arm]))
+    for _ in range(2):
+        learner.step(batch)
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        learner.step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+    print(f"\nprofile of one {arm} step ({s.name}):")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=25))
 
 
 def main() -> None:
@@ -202,26 +243,40 @@ def main() -> None:
     ap.add_argument("--setups", default=None, help=f"comma-separated, from {', '.join(SETUPS)}")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the weights' dtype (bfloat16: float32 master weights in the optimizer)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU")
+    ap.add_argument("--compare-upcast", action="store_true",
+                    help=f"add the arm {UPCAST_ARM}: fast norms with half-precision factors upcast to float32")
     ap.add_argument("--equal-reward-groups", type=float, default=0.0, metavar="FRACTION",
                     help="fraction of groups with equal rewards, whose rows need no OPOB norm (default 0: every "
                          "row needs one; the staleness study's training batches had about 0.5)")
+    ap.add_argument("--profile", default=None, metavar="ARM", choices=list(ARMS),
+                    help="print torch.profiler's table of one step of this arm (per setup) instead of timing")
     args = ap.parse_args()
     if not 0.0 <= args.equal_reward_groups <= 1.0:
         ap.error(f"--equal-reward-groups must be in [0, 1], got {args.equal_reward_groups}")
     eq = args.equal_reward_groups
+    dtype = getattr(torch, args.dtype)
     names = (args.setups or ("default" if args.quick else "default,large")).split(",")
     repeats = args.repeats or (7 if args.quick else 15)
+    if args.profile:
+        configure_cpu(args.threads)
+        for name in names:
+            profile_step(SETUPS[name], args.profile, args.device, dtype, eq)
+        return
     # Memory first, in forked processes that keep the default allocator (see cpu_peak_memory).
-    memory = {name: cpu_peak_memory(SETUPS[name], args.threads, eq) for name in names} if args.device == "cpu" else {}
+    memory = ({name: cpu_peak_memory(SETUPS[name], args.threads, eq, dtype) for name in names}
+              if args.device == "cpu" else {})
     configure_cpu(args.threads)  # threads, flushed denormals, allocator: as the trainer does
-    print(f"device={args.device} threads={args.threads} torch={torch.__version__} repeats={repeats} "
-          f"equal-reward groups={eq:g}")
+    print(f"device={args.device} dtype={args.dtype} threads={args.threads} torch={torch.__version__} "
+          f"repeats={repeats} equal-reward groups={eq:g}")
     ratio = None
     for name in names:
         s = SETUPS[name]
         params = sum(p.numel() for p in build_model(s, "cpu").parameters())
-        res = measure(s, args.device, repeats, warmup=2, equal_groups=eq)
+        res = measure(s, args.device, repeats, warmup=2, equal_groups=eq, dtype=dtype,
+                      compare_upcast=args.compare_upcast)
         for arm, mib in memory.get(name, {}).items():
             res[arm]["peak_mib"] = mib
         print(f"\nsetup {name}: {params / 1e6:.2f}M params, B={s.prompts * s.group}, "

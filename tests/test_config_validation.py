@@ -74,6 +74,13 @@ def test_the_registered_function_checks_and_coerces_its_arguments():
     (["objective.max_len=8"], "used only by objective.loss_agg=seq-mean-token-sum-norm"),
     (["objective.kwargs.max_len=8"], "set it as objective.max_len"),
     (["objective.kwargs.loss_agg=token-mean"], "set it as objective.loss_agg"),
+    # The hyperparameters added with the replay work: BAPO's separate steps, M2PO's behavior weight, MIS's weight.
+    (["objective.name=bapo", "objective.kwargs.step=0.1", "objective.kwargs.step_high=0.2"],
+     "'objective.kwargs.step' of objective 'bapo': sets step_low and step_high at once"),
+    (["objective.name=bapo", "objective.kwargs.step_low=0"],
+     "'objective.kwargs.step_low' of objective 'bapo': must be > 0"),
+    (["objective.name=m2po", "objective.kwargs.behavior_weight_max=0.5"], "must be >= 1, got 0.5"),
+    (["objective.name=mis", "objective.kwargs.weight=both"], "must be one of ratio, unit"),
 ])
 def test_config_errors_name_the_key(overrides, named):
     with pytest.raises(ConfigError) as info:

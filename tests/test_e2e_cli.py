@@ -6,6 +6,9 @@ bad config key or value exits non-zero with one line naming it.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from conftest import LAGGED, metrics, vcpo
@@ -28,6 +31,7 @@ def test_each_mode_runs_and_logs_the_contract_keys(tmp_path, tiny, mode, k, extr
     for m in lines:
         assert REQUIRED_KEYS <= m.keys()
         assert m["staleness/max"] <= k
+        assert m["reward/errors"] == 0 and m["reward/timeouts"] == 0  # counted in every mode, async included
     assert {2, 4} <= {m["step"] for m in lines if "eval/accuracy" in m}
     if mode == "lagged":  # batch t comes from the weights of step t - k exactly
         assert [m["staleness/max"] for m in lines] == [0, 1, 2, 2]
@@ -36,17 +40,52 @@ def test_each_mode_runs_and_logs_the_contract_keys(tmp_path, tiny, mode, k, extr
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
 
 
-def test_lagged_resume_equals_uninterrupted_run(tmp_path, tiny, lagged_full):
-    part = tmp_path / "part"
+def assert_resumed_run_matches(full: Path, part: Path, common: list[str]) -> list[dict]:
+    """Run 2 steps into ``part`` and resume to 4: every non-timing metric must equal the 4-step run ``full``'s."""
     # Stop at step 2 (an evaluation step anyway, so both runs log the same keys), resume to 4.
-    vcpo("train", *tiny, *LAGGED, f"run_dir={part}", "trainer.max_steps=2")
+    vcpo("train", *common, f"run_dir={part}", "trainer.max_steps=2")
     vcpo("train", "--resume", str(part), "trainer.max_steps=4")
-    a, b = metrics(lagged_full), metrics(part)
+    a, b = metrics(full), metrics(part)
     assert [m["step"] for m in b] == [1, 2, 3, 4]  # no step lost or repeated
     for ma, mb in zip(a, b, strict=True):
         ka = {k: v for k, v in ma.items() if not k.startswith("time/")}
         kb = {k: v for k, v in mb.items() if not k.startswith("time/")}
         assert ka == kb, f"step {ma['step']} differs after resume"
+    return a
+
+
+def test_lagged_resume_equals_uninterrupted_run(tmp_path, tiny, lagged_full):
+    assert_resumed_run_matches(lagged_full, tmp_path / "part", [*tiny, *LAGGED])
+
+
+def test_lagged_replay_resumes_exactly_with_tb(tmp_path, tiny):
+    # Fresh batches at lag 1, replayed groups up to k = 2; the buffer and its RNG are in the checkpoint.
+    common = [*tiny, *LAGGED, "async.replay.enabled=true", "async.replay.generation_lag=1",
+              "async.replay.groups_per_step=6", "async.replay.max_uses=2", "objective.name=tb",
+              "advantage.estimator=grpo", "trainer.ess_lr.enabled=false"]
+    vcpo("train", *common, f"run_dir={tmp_path / 'full'}")
+    lines = assert_resumed_run_matches(tmp_path / "full", tmp_path / "part", common)
+    assert [m["staleness/max"] for m in lines] == [0, 1, 2, 2]
+    assert max(m["replay/age_max"] for m in lines) == 2 and all(m["replay/max_age"] == 2 for m in lines)
+    assert any(m["replay/uses_max"] == 2 for m in lines) and all(m["replay/fresh_groups"] == 4 for m in lines)
+
+
+def test_tba_recipe_runs_with_searchers_and_stops_at_its_time_budget(tmp_path, tiny, tiny_overrides):
+    # configs/tba.yaml as shipped (async, tb, replay), with two searchers to spare the CI machine.
+    run = tmp_path / "tba"
+    vcpo("train", "-c", "configs/tba.yaml", *tiny_overrides, f"run_dir={run}", "trainer.max_steps=3",
+         "async.num_workers=2")
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for m in lines:
+        assert REQUIRED_KEYS <= m.keys() and m["staleness/max"] <= 4 and m["replay/age_max"] <= 4
+        assert m["batch/size"] == 4 * 4 and m["replay/fresh_groups"] == 4  # 4 groups of 4 drawn, 4 arrived
+    # A wall-clock budget of 1 ms ends the run after its first step, evaluated as a last step is.
+    budget = tmp_path / "budget"
+    vcpo("train", *tiny, f"run_dir={budget}", "async.mode=sync",
+         "trainer.max_steps=50", "trainer.max_time_s=0.001")
+    assert [(m["step"], "eval/accuracy" in m) for m in metrics(budget)] == [(1, True)]
+    assert json.loads((budget / "summary.json").read_text())["steps"] == 1
 
 
 @pytest.mark.parametrize(("override", "named"), [

@@ -111,6 +111,37 @@ def test_mis_geometric_uses_counted_length():
     assert get_objective("mis")(inp, level="geometric", high=5.0).metrics["mask/frac"] == 0.0
 
 
+def test_mis_unit_weight_hand_values():
+    # Token level, default [0.5, 2]: keep r = 1.5 (row0 tok0) and r = 1 (row1 tok0);
+    # unit weight -> w = [[1, 0], [1, 0]].
+    # l = -w*A*lp: row0 tok0 -1*1*(-1) = 1 ; row1 tok0 -1*(-2)*(-0.5) = -1 ; token-mean (1 - 1)/4 = 0.
+    inp, lp = make_inputs(TIS_LP, _shifted(TIS_LP, MIS_D), [1.0, -2.0])
+    out = get_objective("mis")(inp, weight="unit")
+    assert out.loss.item() == pytest.approx(0.0)
+    out.loss.backward()
+    # d/dlp = -w*A/4: [[-1/4, 0], [2/4, 0]]
+    torch.testing.assert_close(lp.grad, _f64([[-0.25, 0.0], [0.5, 0.0]]))
+    assert out.metrics["mask/frac"] == pytest.approx(0.5) and out.metrics["mis/weight_mean"] == pytest.approx(0.5)
+
+
+def test_mis_geometric_unit_weight_is_verls_geo_rs_preset():
+    # Geometric ratios g = [sqrt(.375), sqrt(3)] = [0.612, 1.732]; bounds [0.5, 1.5] keep row 0 only.
+    # weight="ratio": l_row0 = -0.612*1*(-1 - 2) = 3*0.612 ; weight="unit": l_row0 = -1*1*(-3) = 3.
+    # token-mean over the 4 pre-mask tokens: 3/4 ; gradient -w*A/4 = -1/4 on row 0, 0 on row 1.
+    inp, lp = make_inputs(TIS_LP, _shifted(TIS_LP, MIS_D), [1.0, -2.0])
+    out = get_objective("mis")(inp, level="geometric", low=0.5, high=1.5, weight="unit")
+    assert out.loss.item() == pytest.approx(0.75)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, _f64([[-0.25, -0.25], [0.0, 0.0]]))
+    # verl's bypass_pg_geo_rs: kept rows weigh 1, rejected rows 0, rows with |mean d| <= ~1e-3 kept
+    # (d = 0.0005 per token: g = e^0.0005 = 1.0005 in [0.999, 1.001]; d = 0.002: g = 1.002 rejected).
+    inp, lp = make_inputs([[-1.0, -1.0], [-1.0, -1.0]], [[-1.0005, -1.0005], [-1.002, -1.002]], [1.0, 1.0])
+    out = get_objective("mis")(inp, level="geometric", weight="unit")
+    out.loss.backward()
+    assert out.metrics["mask/frac"] == pytest.approx(0.5)
+    torch.testing.assert_close(lp.grad, _f64([[-0.25, -0.25], [0.0, 0.0]]))
+
+
 # --------------------------------------------------------------------------- icepop
 def test_icepop_bypass_hand_values():
     # r = k = exp(lp - blp); A = [1, -1]. Row0 r = [1.1, 6, 1.5], row1 r = [0.4, 1, 1.5].
@@ -212,6 +243,41 @@ def test_m2po_everything_masked():
     out.loss.backward()
     assert out.loss.item() == 0.0 and lp.grad.abs().max().item() == 0.0
     assert out.metrics["mask/frac"] == 1.0 and out.metrics["m2po/m2_after"] == 0.0
+
+
+def test_m2po_behavior_weight_decoupled_as_areal():
+    # blp = 0, olp = [0, ln2, ln8], lp = olp + [0, 0, 0] -> r = 1 everywhere; A = 1.
+    # sq = (blp - olp)^2 = [0, .480, 4.324]; with tau = 3 the prefix sums 0, .480, 4.80 stay under
+    # 3*k = 3, 6, 9, so the second-moment mask keeps all three and only the behavior weight acts.
+    # k = exp(olp - blp) = [1, 2, 8]; c = 5 drops token 2 (k = 8 > 5); kept loss -k*r*A = [-1, -2].
+    # token-mean over the 3 pre-mask tokens: -3/3 = -1 ; gradient -k*r*A/3 = [-1/3, -2/3, 0].
+    olp = [[0.0, LN2, 3 * LN2]]
+    inp, lp = make_inputs(olp, [[0.0, 0.0, 0.0]], [1.0], old_logprobs=olp)
+    out = get_objective("m2po")(inp, tau=3.0, behavior_weight_max=5.0)
+    assert out.loss.item() == pytest.approx(-1.0)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, _f64([[-1 / 3, -2 / 3, 0.0]]))
+    assert out.metrics["m2po/behavior_drop_frac"] == pytest.approx(1 / 3)
+    assert out.metrics["mask/frac"] == pytest.approx(1 / 3)
+    # Default (the paper's form): no k factor, nothing dropped for k: loss -(1 + 1 + 1)/3 = -1, grad -1/3 each.
+    inp, lp = make_inputs(olp, [[0.0, 0.0, 0.0]], [1.0], old_logprobs=olp)
+    out = get_objective("m2po")(inp, tau=3.0)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, _f64([[-1 / 3] * 3]))
+    assert out.metrics["m2po/behavior_drop_frac"] == 0.0
+    # c = inf: the factor without the drop: -(1 + 2 + 8)/3.
+    inp, _ = make_inputs(olp, [[0.0, 0.0, 0.0]], [1.0], old_logprobs=olp)
+    assert get_objective("m2po")(inp, tau=3.0, behavior_weight_max=math.inf).loss.item() == pytest.approx(-11 / 3)
+
+
+def test_m2po_behavior_weight_in_bypass_mode_only_drops():
+    # Bypass: r = exp(lp - blp) = [1, 2, 8] already holds k; tau = 3 keeps all (as above).
+    # c = 5 drops the k = 8 token and adds no second factor: loss -(1 + 2)/3 = -1, grad -r*A/3 = [-1/3, -2/3, 0].
+    inp, lp = make_inputs([[0.0, LN2, 3 * LN2]], [[0.0, 0.0, 0.0]], [1.0])
+    out = get_objective("m2po")(inp, tau=3.0, behavior_weight_max=5.0)
+    assert out.loss.item() == pytest.approx(-1.0)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, _f64([[-1 / 3, -2 / 3, 0.0]]))
 
 
 # --------------------------------------------------------------------------- topr
@@ -355,7 +421,9 @@ def test_every_loss_agg_mode(name, mode):
         ("mis", {"high": 0.9}, "high"), ("icepop", {"low": 2.0}, "low"), ("icepop", {"high": 0.5}, "high"),
         ("icepop", {"eps_low": 1.5}, "eps_low"), ("icepop", {"dual_clip": 1.0}, "dual_clip"),
         ("m2po", {"tau": 0.0}, "tau"), ("m2po", {"tau": -1.0}, "tau"), ("topr", {"level": "geometric"}, "level"),
-        ("topr", {"cap": 2.0}, "cap"),
+        ("topr", {"cap": 2.0}, "cap"), ("mis", {"weight": "one"}, "weight"),
+        ("m2po", {"behavior_weight_max": 0.5}, "behavior_weight_max"),
+        ("m2po", {"behavior_weight_max": math.nan}, "behavior_weight_max"),
     ],
 )
 def test_bad_hyperparameters_raise_naming_them(name, kw, culprit):

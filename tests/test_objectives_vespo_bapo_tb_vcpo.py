@@ -110,8 +110,39 @@ def test_bapo_stateless_saturation_and_no_negatives():
     assert get_objective("bapo")(make_inputs([[0.0]], [[0.0]], [0.0])[0]).metrics["bapo/pos_neg_ratio"] == 1.0
 
 
+def test_bapo_separate_steps_the_authors_example():
+    # run_bapo_example.sh: c_low 0.8 -> 0.95 by 0.05, c_high 1.2 -> 2.0 by 0.1, target 0.5.
+    # Tokens: r = 2 with A = +1, r = 1 with A = -2.68. P = min(2, c_hi) = c_hi, N = max(1, c_lo)*2.68 = 2.68.
+    # c_lo 0.8 .. 0.95 keeps P/N = 1.2/2.68 = 0.448 < 0.5; then c_hi 1.3 (0.485), 1.4 (0.522 >= 0.5): stop.
+    kwargs = {"target": 0.5, "c_low": 0.8, "c_low_max": 0.95}
+
+    def batch():
+        return make_inputs([[LN2], [0.0]], [[0.0], [0.0]], [1.0, -2.68])
+
+    inp, lp = batch()
+    out = get_objective("bapo")(inp, **kwargs, step_low=0.05, step_high=0.1)
+    m = out.metrics
+    assert (m["bapo/c_low"], m["bapo/c_high"]) == (pytest.approx(0.95), pytest.approx(1.4))
+    assert m["bapo/pos_neg_ratio"] == pytest.approx(1.4 / 2.68)
+    # l = max(-A*r, -A*clip(r, .95, 1.4)): [max(-2, -1.4), max(2.68, 2.68)] = [-1.4, 2.68]; token-mean 0.64.
+    assert out.loss.item() == pytest.approx(0.64)
+    out.loss.backward()
+    # The positive token is clipped (zero gradient); the negative one gets -A*r/2 = 1.34.
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0], [1.34]], dtype=F64))
+    # One step of 0.05 for both stops one notch earlier, at c_hi = 1.35 (1.35/2.68 = 0.504).
+    m05 = get_objective("bapo")(batch()[0], **kwargs).metrics
+    assert m05["bapo/c_high"] == pytest.approx(1.35)
+    # step is the shortcut for both: step=0.1 visits lows 0.8, 0.9, 0.95 and highs 1.3, 1.4.
+    m10 = get_objective("bapo")(batch()[0], **kwargs, step=0.1).metrics
+    assert (m10["bapo/c_low"], m10["bapo/c_high"]) == (pytest.approx(0.95), pytest.approx(1.4))
+    # The schedule: 4 lows (0.8, .85, .9, .95) then 8 highs (1.3 .. 2.0): 12 pairs.
+    lo_K, hi_K = bound_schedule(0.8, 0.95, 1.2, 2.0, 0.05, 0.1)
+    assert len(lo_K) == 12 and hi_K[3].item() == 1.2 and hi_K[4].item() == pytest.approx(1.3)
+    assert lo_K[3].item() == pytest.approx(0.95) and hi_K[-1].item() == pytest.approx(2.0)
+
+
 def test_bapo_schedule_and_contributions_match_brute_force():
-    lo_K, hi_K = bound_schedule(0.6, 0.8, 1.2, 2.0, 0.05)
+    lo_K, hi_K = bound_schedule(0.6, 0.8, 1.2, 2.0, 0.05, 0.05)
     # 5 c_low values (0.6 .. 0.8) then 16 more c_high values (1.25 .. 2.0): 21 pairs.
     assert len(lo_K) == 21 and lo_K[4].item() == pytest.approx(0.8) and hi_K[4].item() == 1.2
     assert lo_K[-1].item() == pytest.approx(0.8) and hi_K[-1].item() == pytest.approx(2.0)
@@ -292,6 +323,9 @@ def test_finite_for_extreme_log_ratios_and_empty_rows(name):
         ("bapo", {"c_low_max": 0.5}, "c_low_max"), ("bapo", {"c_high": 0.9}, "c_high"), ("tb", {"beta": 0.0}, "beta"),
         ("bapo", {"c_high_max": 1.1}, "c_high_max"), ("bapo", {"step": 1e-7}, "step"), ("vcpo", {"cap": 0.0}, "cap"),
         ("bapo", {"dual_clip": 0.5}, "dual_clip"), ("vcpo", {"cap": -8.0}, "cap"),
+        ("bapo", {"step_low": 0.0}, "step_low"), ("bapo", {"step_high": -0.1}, "step_high"),
+        ("bapo", {"step_high": 1e-7}, "step_high"), ("bapo", {"step": 0.1, "step_low": 0.05}, "not both"),
+        ("bapo", {"step": 0.1, "step_high": 0.05}, "not both"),
     ],
 )
 def test_bad_hyperparameters_raise(name, kwargs, pattern):

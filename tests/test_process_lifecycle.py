@@ -93,7 +93,8 @@ class FakeProcess:
 
 
 def stuck_source(tmp_path, timeout_s: float):
-    spec = WorkerSpec(worker_id=0, model_path=str(tmp_path), dtype="float32", task_name="chain_sum", task_kwargs={},
+    spec = WorkerSpec(worker_id=0, model_path=str(tmp_path), dtype="float32", device="cpu", lm_head_fp32=False,
+                      task_name="chain_sum", task_kwargs={},
                       seed=0, prompts_per_step=2, group_size=2, sampling=SamplingParams(), inflight_updates=False,
                       handoff_timeout_s=timeout_s)
     source = AsyncSource(tiny_llama(), spec, num_workers=1, max_staleness=1, drop_older_than=None, max_restarts=0)

@@ -99,7 +99,7 @@ def test_evaluate_warnings_counts_by_hand():
 # ---------------------------------------------------------------- synthetic runs
 
 
-def _write_cell(run_dir, arm, k, seed, accs, ess=0.9, collapse_from=None, learner_s=None):
+def _write_cell(run_dir, arm, k, seed, accs, ess=0.9, collapse_from=None, learner_s=None, warm_start=None):
     """A fake finished cell: 40 steps, evaluations every 10, optional ESS/grad blow-up from a step on."""
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -119,6 +119,8 @@ def _write_cell(run_dir, arm, k, seed, accs, ess=0.9, collapse_from=None, learne
     (run_dir / "summary.json").write_text(json.dumps({
         "run_dir": str(run_dir), "steps": 40, "initial_accuracy": accs[0], "final_accuracy": accs[-1],
         "wall_time_s": 12.0, "objective": arm, "mode": "lagged", "max_staleness": k}))
+    if warm_start is not None:
+        (run_dir / "cell.json").write_text(json.dumps({"warm_start": {"id": warm_start, "hash": f"h{warm_start}"}}))
 
 
 def test_run_sweep_skips_finished_cells_and_records_failures(tmp_path):
@@ -167,25 +169,49 @@ def test_write_report_tables_claims_and_figures(tmp_path):
     _write_cell(cells / "vcpo_k0_s0", "vcpo", 0, 0, [0.3, 0.35, 0.4, 0.42, 0.42])
     _write_cell(cells / "vcpo_k8_s0", "vcpo", 8, 0, [0.3, 0.35, 0.38, 0.40, 0.40], ess=0.6)
     (cells / "vcpo_k32_s0").mkdir()  # started, never finished
-    path = write_report(tmp_path)
-    text = path.read_text()
-    assert "| grpo | 8 | 0 | 0.300 | 0.000 | 0.400 | yes | 30 | 25 | " in text
-    assert "| vcpo | 8 | 0 | 0.300 | 0.400 | 0.400 | no | - | - | 0.600 | 12 |" in text
-    assert "| grpo | 0.400 | 0.000 |" in text  # aggregate row: k=0, k=8
+    text = write_report(tmp_path).read_text()
+    # late accuracy of grpo k=8: the last three evaluations (0.4 + 0.1 + 0.0) / 3 = 0.167
+    assert "| grpo | 8 | - | 0 | 0.300 | 0.167 | 0.000 | 0.400 | 30 | 0.560 | 12 |" in text
+    assert "| vcpo | 8 | - | 0 | 0.300 | 0.393 | 0.400 | 0.400 | - | 0.600 | 12 |" in text
     late = text.split("## Late held-out accuracy")[1]
-    assert "| grpo | 0.400 | 0.167 |" in late  # k=8: the last three evaluations 0.4, 0.1, 0.0
+    assert "| grpo | 0.400 (n=1) | 0.167 (n=1) |" in late  # one run: no interval
     reward = text.split("## Training reward")[1]
-    assert "| grpo | 0.400 | 0.280 |" in reward  # k=8: 24 steps at 0.4, then 16 at 0.1
-    assert "warned before collapse 1, missed 0, false alarms 0" in text and "lead times (steps): [5]" in text
-    assert "(a) Plain and clipped objectives collapse as k grows: HELD" in text
-    assert "(c) VCPO stays stable and matches synchronous accuracy up to k = 128: HELD only up to k = 8" in text
-    assert "The grid has no k = 128" in text and "vcpo_k32_s0" in text
+    assert "| grpo | 0.400 | 0.280 |" in reward  # k=8: 24 steps at 0.4, then 16 at 0.1 -> 0.28
+    # Wilson intervals of 0/1 and 1/1: z^2 = 3.8415, high of 0/1 = 3.8415 / 4.8415 = 0.79
+    assert "| grpo | 0/1 (0.00 [0.00, 0.79]) | 1/1 (1.00 [0.21, 1.00]) |" in text
+    assert "| vcpo | 0.013 (n=1) | 0.227 (n=1) |" in text  # paired on the one run: 0.393 - 0.167
+    assert "(a) Plain and clipped objectives collapse as k grows: NOT SHOWN BEYOND NOISE" in text
+    assert "Not scored: the cells have a single warm start and a single seed" in text
+    assert "(c) VCPO stays stable and matches synchronous accuracy up to k = 128: NOT SETTLED" in text
+    assert "No vcpo run at k = 128" in text and "vcpo_k32_s0" in text
     assert "(d) VESPO stays stable up to 64x staleness: NOT TESTED" in text
     assert "## Learner step time" not in text  # none recorded
     for name in ("accuracy_vs_k", "accuracy_curves", "reward_curves", "ess_curves", "grad_norm_curves"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ReportError, match="not a sweep directory"):
         write_report(tmp_path / "missing")
+
+
+def test_report_intervals_over_warm_starts_and_seeds_and_paired_claims(tmp_path):
+    runs = [("w0", 0), ("w0", 1), ("w1", 0), ("w1", 1)]
+    for i, (ws, seed) in enumerate(runs):
+        grpo_late, vcpo_late = 0.30 + 0.02 * i, 0.40 + 0.02 * i  # vcpo is 0.1 better on every run
+        for arm, k, late in (("grpo", 0, 0.5), ("grpo", 8, grpo_late), ("vcpo", 0, 0.5), ("vcpo", 8, vcpo_late)):
+            _write_cell(tmp_path / "cells" / f"{arm}_k{k}_{ws}_s{seed}", arm, k, seed, [0.3, 0.4, late, late, late],
+                        warm_start=ws)
+    text = write_report(tmp_path).read_text()
+    # grpo k=8 late 0.30, 0.32, 0.34, 0.36: mean 0.33, sd sqrt(2 x (0.03^2 + 0.01^2) / 3) = 0.025820,
+    # half width t(3) x sd / 2 = 3.182 x 0.025820 / 2 = 0.041079 -> [0.289, 0.371]
+    assert "| grpo | 0.500 [0.500, 0.500] | 0.330 [0.289, 0.371] |" in text
+    # paired vcpo - grpo at k=8: 0.1 on each of the 4 runs -> no spread, beyond noise
+    assert "| vcpo | 0.000 [0.000, 0.000] | 0.100 [0.100, 0.100] * |" in text
+    assert "Warm start w0: hash hw0" in text and "Warm start w1: hash hw1" in text
+    # vcpo(8) - vcpo(0) paired: -0.1, -0.08, -0.06, -0.04: mean -0.07, sd 0.025820, half 0.041079 ->
+    # [-0.111, -0.029]: the loss may exceed 0.05 (low end < -0.05), so not a match, but not shown to be short
+    assert "k=8: -0.070 [-0.111, -0.029], beyond noise" in text and "NOT SETTLED" in text
+    assert "vs grpo 0.100 [0.100, 0.100], beyond noise" in text
+    assert "(a) Plain and clipped objectives collapse as k grows: HELD PARTLY" in text  # grpo falls 0.17
+    assert "tuned on warm start w0, held out: warm starts w1. No run of the tuning split collapsed" in text
 
 
 def test_vespo_claim_held_and_not_held(tmp_path):
@@ -197,18 +223,29 @@ def test_vespo_claim_held_and_not_held(tmp_path):
             _write_cell(sweep / f"vespo_k{k}_s0", "vespo", k, 0, accs)
         text = write_report(tmp_path / name).read_text()
         if collapse_k is None:
-            assert "(d) VESPO stays stable up to 64x staleness: HELD on this grid (collapsed at no k <= 64;" in text
+            assert "(d) VESPO stays stable up to 64x staleness: HELD (collapsed 0/2 (0.00 [0.00, 0.66]) at" in text
         else:
-            assert "(d) VESPO stays stable up to 64x staleness: DID NOT HOLD on this grid (collapsed at k=16;" in text
+            assert "(d) VESPO stays stable up to 64x staleness: DID NOT HOLD (collapsed 1/2" in text
 
 
-def test_report_evaluates_the_detector_on_held_out_seeds(tmp_path):
-    _write_cell(tmp_path / "cells" / "grpo_k8_s0", "grpo", 8, 0, [0.3, 0.35, 0.4, 0.1, 0.0], collapse_from=25)
-    _write_cell(tmp_path / "cells" / "grpo_k8_s1", "grpo", 8, 1, [0.3, 0.35, 0.4, 0.4, 0.4], collapse_from=25)
+def test_report_tunes_detectors_on_one_seed_and_scores_the_other(tmp_path):
+    # Cells without warm-start ids (issue 5's): tuned on seed 0, held out seed 1. Each seed has one collapse
+    # (ESS 0.05 from step 25) and one stable run at ESS 0.9.
+    for seed in (0, 1):
+        _write_cell(tmp_path / "cells" / f"grpo_k8_s{seed}", "grpo", 8, seed, [0.3, 0.35, 0.4, 0.1, 0.0],
+                    collapse_from=25)
+        _write_cell(tmp_path / "cells" / f"vcpo_k8_s{seed}", "vcpo", 8, seed, [0.3, 0.35, 0.4, 0.4, 0.4])
     text = write_report(tmp_path).read_text()
-    assert "warned before collapse 1, missed 0, false alarms 1" in text
-    assert ("On seed 1 alone (the detector was revised after inspecting seed-0 cells, so these are its held-out "
-            "runs): cells 1, collapsed 0, warned before collapse 0, missed 0, false alarms 1") in text
+    assert "Rules tuned on seed 0, held out: seeds 1" in text
+    # the baseline family's first rule that catches the collapse (warned from step 25, collapse at 30: lead 5)
+    # with no false alarm: 1-step ESS < 0.1 (0.05 < 0.1, while stable runs sit at 0.9)
+    assert ("| ESS below x (trivial baseline): the ESS ratio's 1-step mean < 0.1, from step 20 | held-out | 1 | 1 "
+            "| 0/1 | 0.00 | 5 |") in text
+    assert "(b) Collapse can be foreseen online (the paper: a sharp ESS fall, an unstable gradient norm): HELD" in text
+    assert "recall 1/1 [Wilson 0.21, 1.00], false alarms in 0 of 1 stable runs" in text
+    # seed 1 without its collapse: nothing to score recall on
+    _write_cell(tmp_path / "cells" / "grpo_k8_s1", "grpo", 8, 1, [0.3, 0.35, 0.4, 0.4, 0.4])
+    assert "NOT SCORED (no held-out run collapsed)" in write_report(tmp_path).read_text()
 
 
 def test_report_tables_learner_step_time_when_recorded(tmp_path):

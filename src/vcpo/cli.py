@@ -1,4 +1,4 @@
-"""The ``vcpo`` command line: sft, train, eval, plot, sweep, report. Each error is one line on stderr.
+"""The ``vcpo`` command line: sft, train, eval, plot, sweep, rerun, report. Each error is one line on stderr.
 
 Exit status: 0 done; 2 a user error (bad config, path or disk), found before any heavy import where it can
 be; 1 a run that started and could not go on; 128 + signal when SIGTERM (143) or SIGINT (130) stopped it.
@@ -52,27 +52,41 @@ def _load(config: Path | None, overrides: list[str] | None, resume: Path | None 
 
 
 @app.command()
-def sft(config: ConfigOpt = None, overrides: Overrides = None) -> None:
+def sft(
+    config: ConfigOpt = None,
+    overrides: Overrides = None,
+    save: Annotated[Path | None, typer.Option("--save", help="Also copy the warm-started model here (to pin it).")]
+    = None,
+) -> None:
     """Warm-start the embedded default model by supervised fine-tuning (cached), and report accuracy."""
     from vcpo.errors import UserError
 
     try:
         cfg = _load(config, overrides)
         _quiet_libraries()
+        import shutil
+
         import torch
 
         from vcpo.models.loading import load_policy
+        from vcpo.runtime import resolve_device
+        from vcpo.study.provenance import warm_start_hash
         from vcpo.tasks import make_task
         from vcpo.train.sft import evaluate_accuracy, warm_start
 
         torch.set_num_threads(cfg.runtime.torch_threads)
         path = warm_start(cfg)
-        model, tokenizer = load_policy(path, cfg.model.dtype)
+        model, tokenizer = load_policy(path, cfg.model.dtype, resolve_device(cfg.model.device))
         task = make_task(cfg.task)
         acc = evaluate_accuracy(model, tokenizer, task, task.problems("eval", cfg.task.eval_size, seed=cfg.seed),
-                                cfg.rollout.max_new_tokens)
-        console.print(f"warm-started model: {path}\nheld-out greedy accuracy: {acc:.3f}")
-    except UserError as exc:
+                                cfg.rollout.max_new_tokens, lm_head_fp32=cfg.model.lm_head_fp32)
+        if save is not None:
+            if save.exists():
+                raise FileExistsError(f"--save {str(save)!r} already exists")
+            path = Path(shutil.copytree(path, save))
+        console.print(f"warm-started model: {path} (hash {warm_start_hash(path)})\n"
+                      f"held-out greedy accuracy: {acc:.3f}")
+    except (UserError, FileExistsError) as exc:
         _fail(exc)
 
 
@@ -143,13 +157,14 @@ def evaluate(
         check_model_dir(model_path)
         _quiet_libraries()
         from vcpo.models.loading import load_policy
+        from vcpo.runtime import resolve_device
         from vcpo.tasks import make_task
         from vcpo.train.sft import evaluate_accuracy
 
-        model, tokenizer = load_policy(model_path, cfg.model.dtype)
+        model, tokenizer = load_policy(model_path, cfg.model.dtype, resolve_device(cfg.model.device))
         task = make_task(cfg.task)
         acc = evaluate_accuracy(model, tokenizer, task, task.problems("eval", cfg.task.eval_size, seed=cfg.seed),
-                                cfg.rollout.max_new_tokens)
+                                cfg.rollout.max_new_tokens, lm_head_fp32=cfg.model.lm_head_fp32)
         print(json.dumps({"model": str(model_path), "task": cfg.task.name, "eval/accuracy": acc}))
     except UserError as exc:
         _fail(exc)
@@ -185,31 +200,72 @@ def sweep(
     config: ConfigOpt = None,
     overrides: Overrides = None,
     out: Annotated[Path, typer.Option("--out", help="Sweep directory (rerun to resume).")] = Path("runs/sweep"),
-    quick: Annotated[bool, typer.Option("--quick", help="The small grid (< 10 minutes).")] = False,
+    grid: Annotated[str, typer.Option("--grid", help="A named grid: study2 (the staleness study), study1 "
+                                      "(issue 5's), quick.")] = "study2",
+    quick: Annotated[bool, typer.Option("--quick", help="Same as --grid quick (< 10 minutes).")] = False,
     workers: Annotated[int, typer.Option("--workers", help="Cells run at once.")] = 2,
     arms: Annotated[str | None, typer.Option("--arms", help="Comma-separated arms (default: the grid's).")] = None,
     ks: Annotated[str | None, typer.Option("--ks", help="Comma-separated staleness values k.")] = None,
     seeds: Annotated[str | None, typer.Option("--seeds", help="Comma-separated seeds.")] = None,
+    warm_starts: Annotated[str | None, typer.Option("--warm-starts", help="Comma-separated pinned warm starts "
+                                                    "of the grid, e.g. w0 (default: all).")] = None,
 ) -> None:
-    """Run a grid of (objective arm x staleness k x seed) in lagged mode: `vcpo sweep -c CONFIG --out DIR`."""
+    """Run a grid of (warm start x seed x arm x staleness k) in lagged mode: `vcpo sweep --grid study2 --out DIR`."""
     from vcpo.errors import UserError
-    from vcpo.study.sweep import FULL_GRID, QUICK_GRID, SweepError, run_sweep
+    from vcpo.study.grids import GRIDS
+    from vcpo.study.sweep import SweepError, run_sweep
 
     try:
-        if config is None:
-            raise SweepError("vcpo sweep needs a base config: -c CONFIG.yaml")
+        name = "quick" if quick else grid
+        if name not in GRIDS:
+            raise SweepError(f"--grid {grid!r}: unknown grid; valid: {', '.join(GRIDS)}")
+        preset = GRIDS[name]
+        pins = preset.warm_starts
+        if warm_starts is not None:
+            unknown = [w for w in warm_starts.split(",") if w not in pins]
+            if unknown:
+                raise SweepError(f"--warm-starts: {unknown[0]!r} is not a warm start of grid {name!r} "
+                                 f"(it has: {', '.join(pins) or 'none'})")
+            pins = {w: pins[w] for w in warm_starts.split(",")}
         _quiet_libraries()
-        grid = QUICK_GRID if quick else FULL_GRID
         results = run_sweep(
-            config, out, arms=arms.split(",") if arms else grid["arms"], ks=_int_list("--ks", ks) or grid["ks"],
-            seeds=_int_list("--seeds", seeds) or grid["seeds"], workers=workers,
-            extra_overrides=[*grid["overrides"], *(overrides or [])], command=" ".join(["vcpo", *sys.argv[1:]]),
+            config or Path(preset.base_config), out, arms=arms.split(",") if arms else preset.arms,
+            ks=_int_list("--ks", ks) or preset.ks, seeds=_int_list("--seeds", seeds) or preset.seeds,
+            workers=workers, extra_overrides=[*preset.overrides, *(overrides or [])],
+            command=" ".join(["vcpo", *sys.argv[1:]]), warm_starts=pins,
         )
         failed = [r["cell"] for r in results if r["status"] != "done"]
         console.print(f"{len(results) - len(failed)} of {len(results)} cells done; results in {out / 'results.jsonl'}"
                       + (f"; failed: {', '.join(failed)} (see error.txt in each)" if failed else ""))
     except (UserError, SweepError) as exc:
         _fail(exc)
+
+
+@app.command()
+def rerun(
+    cell_dir: Annotated[Path, typer.Argument(help="A finished cell, e.g. benchmarks/staleness/study2/cells/NAME.")],
+    out: Annotated[Path, typer.Option("--out", help="Where to run it again (a new directory).")],
+    steps: Annotated[int | None, typer.Option("--steps", help="Rerun only the first N steps.")] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="The warm start, if not at its recorded path "
+                                               "(its hash must match).")] = None,
+) -> None:
+    """Train a committed study cell again and compare its metrics with the committed ones (exit 1 if they differ)."""
+    from vcpo.errors import UserError
+    from vcpo.study.rerun import RerunError, rerun_cell
+
+    try:
+        result = rerun_cell(cell_dir, out, steps=steps, model=model)
+    except (UserError, RerunError) as exc:
+        _fail(exc)
+    digest = result.get("digest")
+    verdict = "identical" if result["identical"] else "DIFFERENT"
+    console.print(f"{verdict}: {result['values_compared']} values over {result['steps_compared']} steps, "
+                  f"{result['mismatches']} differ" + (f"; first: {result['first_mismatch']}"
+                                                      if result["first_mismatch"] else "")
+                  + (f"; metrics digest committed {digest['committed']}, rerun {digest['rerun']}" if digest else "")
+                  + f" (details: {out / 'compare.json'})")
+    if not result["identical"]:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -8,6 +8,7 @@ Torch-free: every check here (objective hyperparameters included) runs before an
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +31,19 @@ class ModelConfig(_Strict):
     path: str | None = None
     """A local Hugging Face model directory; None = the embedded default, warm-started by SFT."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    """The weights' compute dtype (float64 for numerical tests). With bfloat16 the optimizer keeps float32 master
+    weights; log-probs, importance weights, ESS, OPOB and objectives are float32 whatever the weights' dtype."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    lm_head_fp32: bool = False
+    """Compute the LM head's logits in float32 (engine and learner alike) from half-precision hidden states."""
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {v!r}")
+        return v
 
 
 class TaskConfig(_Strict):
@@ -41,12 +55,20 @@ class TaskConfig(_Strict):
     """Passed to the reasoning-gym dataset config (e.g. digit counts)."""
     eval_size: int = Field(200, gt=0)
     """Held-out problems for ``eval/accuracy`` (a separate seed from the training stream)."""
+    reward_timeout_s: float = Field(5.0, gt=0, le=3600)
+    """Wall-clock limit per scored completion; past it the sandboxed scorer is killed and the reward is 0."""
+    reward_workers: int = Field(1, gt=0, le=64)
+    """Sandboxed scoring processes per process that scores (the trainer; each async rollout worker). Each
+    costs a second or more of CPU to import its scorer's libraries; more help when scoring is slow."""
 
 
 class SFTConfig(_Strict):
     steps: int = Field(400, ge=0)
     batch_size: int = Field(64, gt=0)
     lr: float = Field(2e-3, gt=0)
+    seed: int | None = None
+    """The warm start's seed (model initialisation, SFT data, its own accuracy check); None = the run's ``seed``.
+    Set it to cross warm starts with RL seeds (the staleness study's 2 warm starts x 4 seeds)."""
     cache_dir: str = ".cache/vcpo"
     """Where the warm-started default model is cached, keyed by its settings."""
 
@@ -103,6 +125,35 @@ class TrainerConfig(_Strict):
     max_skipped_steps: int = Field(3, ge=1)
     """The run stops (with a checkpoint) after this many consecutive steps skipped as non-finite
     (gradient, loss, ESS or a sampled log-prob)."""
+    max_time_s: float | None = Field(None, gt=0)
+    """A wall-clock budget per invocation: the run ends (evaluated and checkpointed as at max_steps)
+    after the first step that finishes past it. None = max_steps alone decides."""
+    micro_batch_tokens: int | None = Field(None, gt=0)
+    """Padded tokens per forward/backward (rows x longest row); None = the whole batch in one pass. The update
+    equals the full-batch one for every objective and loss_agg (docs/trainer.md, micro-batches)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (Hugging Face's
+    activation checkpointing); the fast OPOB capture pass keeps its activations regardless."""
+
+
+class ReplayConfig(_Strict):
+    """TBA's replay buffer (vcpo/orchestration/replay.py), in units of whole GRPO groups."""
+
+    enabled: bool = False
+    capacity: int = Field(64, gt=0)
+    """Groups kept at most; beyond it the oldest (by policy version) are evicted."""
+    recent_fraction: float = Field(0.5, ge=0, le=1)
+    """Share of each step's groups drawn from the groups generated for this step (TBA's m)."""
+    priority_inv_temp: float = Field(1.0, ge=0)
+    """Older groups are drawn with probability proportional to exp(this * group mean reward); 0 = uniform."""
+    max_uses: int = Field(4, gt=0)
+    """How many times a group may be trained on in all (1 = never replayed)."""
+    groups_per_step: int | None = Field(None, gt=0)
+    """Groups trained on per step; None = rollout.prompts_per_step (the groups generated per step)."""
+    generation_lag: int | None = Field(None, ge=0)
+    """The staleness bound the rollout source itself runs with (lagged: its exact lag; async: its
+    admission bound; sync: 0 whatever this says); None = async.max_staleness. Replayed groups then
+    age up to async.max_staleness, the bound on every token trained on."""
 
 
 class AsyncConfig(_Strict):
@@ -118,6 +169,12 @@ class AsyncConfig(_Strict):
     """A rollout worker that dies is restarted (its groups re-issued) this many times in all, then the run stops."""
     handoff_timeout_s: float = Field(300.0, gt=0)
     """The longest the learner waits on a worker: for a weight lock, or for any group while it holds some."""
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+
+    def generation_bound(self) -> int:
+        """The staleness bound handed to the rollout source: replay's generation_lag when set, else k."""
+        lag = self.replay.generation_lag
+        return lag if self.replay.enabled and lag is not None else self.max_staleness
 
 
 class RuntimeConfig(_Strict):
@@ -164,6 +221,23 @@ class Config(_Strict):
         if obj.max_len is not None and coerced.get("loss_agg", spec_of(obj.name)["loss_agg"].default) != SUM_NORM:
             raise ValueError(f"config key 'objective.max_len' is used only by objective.loss_agg={SUM_NORM}")
         obj.kwargs.update({k: v for k, v in coerced.items() if k in obj.kwargs})  # "1e3" -> 1000.0, in place
+        return self
+
+    @model_validator(mode="after")
+    def _replay_fits(self) -> Config:
+        replay, k = self.async_.replay, self.async_.max_staleness
+        if not replay.enabled:
+            return self
+        per_step = max(replay.groups_per_step or 0, self.rollout.prompts_per_step)
+        if replay.capacity < per_step:
+            raise ValueError(f"async.replay.capacity={replay.capacity} must hold at least one step's groups "
+                             f"({per_step}: rollout.prompts_per_step / async.replay.groups_per_step)")
+        if self.async_.generation_bound() > k:
+            raise ValueError(f"async.replay.generation_lag={replay.generation_lag} exceeds async.max_staleness={k}, "
+                             f"the bound on every token trained on")
+        if self.async_.mode == "lagged" and self.async_.generation_bound() == k:
+            raise ValueError(f"async.replay.generation_lag must be below async.max_staleness={k} in lagged mode: "
+                             f"fresh groups arrive exactly that old, so none could ever be replayed")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -63,11 +63,13 @@ OBJECTIVES: dict[str, dict[str, Param]] = {
                                  "cap": Param(float, 2.0, low=1.0)},
     "mis": _agg("token-mean") | {"level": Param(str, "token", choices=("token", "sequence", "geometric")),
                                  "low": Param(float, None, low=0.0, high=1.0, optional=True),
-                                 "high": Param(float, None, low=1.0, optional=True)},
+                                 "high": Param(float, None, low=1.0, optional=True),
+                                 "weight": Param(str, "ratio", choices=("ratio", "unit"))},
     "icepop": _agg("seq-mean-token-mean") | {"low": Param(float, 0.5, low=0.0, high=1.0),
                                              "high": Param(float, 5.0, low=1.0)}
     | _ratio_clip(0.2, 0.2) | {"dual_clip": _DUAL_CLIP},
-    "m2po": _agg("token-mean") | {"tau": Param(float, 0.04, **_POSITIVE)},
+    "m2po": _agg("token-mean") | {"tau": Param(float, 0.04, **_POSITIVE),
+                                  "behavior_weight_max": Param(float, None, low=1.0, optional=True)},
     "vespo": _agg("token-mean") | {"k_pos": Param(float, 2.0, low=0.0), "lambda_pos": Param(float, 3.0, **_POSITIVE),
                                    "k_neg": Param(float, 3.0, low=0.0), "lambda_neg": Param(float, 2.0, **_POSITIVE)},
     "bapo": _agg("token-mean") | {
@@ -76,7 +78,9 @@ OBJECTIVES: dict[str, dict[str, Param]] = {
         "c_low_max": Param(float, 0.8, low="c_low", high=1.0),
         "c_high": Param(float, 1.2, low=1.0),
         "c_high_max": Param(float, 2.0, low="c_high"),
-        "step": Param(float, 0.05, **_POSITIVE),
+        "step": Param(float, None, **_POSITIVE, optional=True),
+        "step_low": Param(float, None, **_POSITIVE, optional=True),
+        "step_high": Param(float, None, **_POSITIVE, optional=True),
         "dual_clip": Param(float, 3.0, low=1.0, low_open=True, optional=True),
     },
     "topr": _agg("seq-mean-token-sum") | {"level": Param(str, "sequence", choices=("sequence", "token"))},
@@ -84,6 +88,8 @@ OBJECTIVES: dict[str, dict[str, Param]] = {
     "vcpo": _agg("seq-mean-token-mean") | {"cap": Param(float, 8.0, **_POSITIVE)},
 }
 ALIASES = {"grpo": "ppo_clip"}
+EXCLUSIVE = {"bapo": [("step", ("step_low", "step_high"))]}
+"""A shortcut that sets other hyperparameters (BAPO's ``step`` sets both bounds' steps), given with any of them."""
 
 
 def objective_names() -> list[str]:
@@ -167,6 +173,11 @@ def check_hyperparameters(objective: str, given: Mapping[str, Any]) -> dict[str,
         if p.kind is not str and (why := _check_range(p, value, values)) is not None:
             raise HyperparameterError(objective, name, why)
         coerced[name] = values[name] = value
+    for shortcut, parts in EXCLUSIVE.get(ALIASES.get(objective, objective), []):
+        both = [k for k in parts if values[k] is not None]
+        if values[shortcut] is not None and both:
+            raise HyperparameterError(objective, shortcut, f"sets {' and '.join(parts)} at once; "
+                                      f"give it or them, not both ({both[0]} is given too)")
     if values["loss_agg"] == SUM_NORM and values["max_len"] is None:
         raise HyperparameterError(objective, "max_len", f"loss_agg {SUM_NORM!r} needs max_len (its constant length)")
     return coerced

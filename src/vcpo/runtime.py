@@ -1,5 +1,5 @@
-"""Process-wide settings that every vcpo process (learner, rollout worker, benchmark) applies alike: CPU
-threads and allocator, and, for child processes, dying with their parent."""
+"""Process-wide settings that every vcpo process (learner, rollout worker, benchmark) applies alike: CPU threads,
+denormals and the allocator, the device a config names, and, for child processes, dying with their parent."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from vcpo.config import ConfigError
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -83,3 +85,18 @@ def _watch_parent(parent_pid: int, poll_s: float) -> None:
     while os.getppid() == parent_pid:
         time.sleep(poll_s)
     os._exit(1)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """The torch device of ``model.device``: ``auto`` is ``cuda`` when CUDA is available, else ``cpu``.
+
+    A CUDA device that this machine does not have is a ``ConfigError`` naming the key."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"model.device={spec!r}: CUDA is not available on this machine (use auto or cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"model.device={spec!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device

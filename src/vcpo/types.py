@@ -56,6 +56,7 @@ class Trajectory:
     finished: bool
     sampling: SamplingParams
     response_text: str = ""
+    reward_status: str = "ok"  # how the reward came about: ok, error, crash or timeout (vcpo.rewards.pool)
 
     @property
     def min_version(self) -> int:
@@ -85,6 +86,10 @@ class Batch:
     def rows(self, index: Tensor) -> Batch:
         """The batch of rows ``index`` (a 1-D index tensor), in that order."""
         return Batch(**{name: value.index_select(0, index) for name, value in self.__dict__.items()})
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The batch with every tensor on ``device`` (tensors already there are not copied)."""
+        return Batch(**{name: value.to(device) for name, value in self.__dict__.items()})
 
     @classmethod
     def from_trajectories(cls, trajectories: list[Trajectory], pad_id: int) -> Batch:

@@ -13,8 +13,8 @@ from vcpo.models.files import ModelLoadError, check_model_dir, one_line
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def load_policy(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
-    """``(model, tokenizer)`` from a local directory, never touching the network.
+def load_policy(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a local directory, never touching the network; the model in ``dtype`` on ``device``.
 
     The tokenizer always has an EOS id and a pad id (pad falls back to EOS when the model has none).
     Raises :class:`ModelLoadError` for a missing path, a directory without ``config.json`` or tokenizer
@@ -38,7 +38,7 @@ def load_policy(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
     except Exception as exc:
         raise ModelLoadError(f"model path {str(p)!r}: cannot load its tokenizer ({one_line(exc)})") from None
     _ensure_eos_and_pad(tokenizer, model, p)
-    model.eval()
+    model.to(device).eval()
     return model, tokenizer
 
 

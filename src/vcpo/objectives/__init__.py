@@ -8,8 +8,15 @@ registers itself with ``@register("name")``; every module here is imported once,
 import importlib
 import pkgutil
 
-from vcpo.objectives.aggregation import LOSS_AGG_MODES, aggregate
-from vcpo.objectives.registry import get_objective, list_objectives, objective_hyperparameters, register
+from vcpo.objectives.aggregation import LOSS_AGG_MODES, aggregate, normaliser_count
+from vcpo.objectives.registry import (
+    SCOPES,
+    get_objective,
+    list_objectives,
+    objective_hyperparameters,
+    objective_scope,
+    register,
+)
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
 for _module in pkgutil.iter_modules(__path__):
@@ -17,11 +24,14 @@ for _module in pkgutil.iter_modules(__path__):
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "SCOPES",
     "ObjectiveInputs",
     "ObjectiveOutput",
     "aggregate",
     "get_objective",
     "list_objectives",
+    "normaliser_count",
     "objective_hyperparameters",
+    "objective_scope",
     "register",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from vcpo.objective_specs import LOSS_AGG_MODES
@@ -39,3 +40,21 @@ def aggregate(loss_BT: Tensor, mask_BT: Tensor, loss_agg: str, max_len: int | No
     if loss_agg == "seq-mean-token-mean":
         seq_B = seq_B / lengths_B.clamp(min=1.0)
     return (seq_B * nonempty_B).sum() / nonempty_B.sum().clamp(min=1.0)
+
+
+def normaliser_count(mask_BT: Tensor, loss_agg: str) -> Tensor:
+    """The count that ``aggregate`` divides by, before its clamp at 1 (and, for Dr. GRPO, times ``max_len``):
+    counted tokens (``token-mean``), sequences with a counted token (the ``seq-mean`` modes), or rows B
+    (``seq-mean-token-sum-norm``); a float64 scalar.
+
+    Every mode is a row-additive sum divided by this count, so the loss of a part of the batch times
+    ``max(count(part), 1) / max(count(whole), 1)`` sums over the parts to the whole batch's loss: that is how
+    micro-batches reproduce the full-batch update (vcpo.train.micro_batches)."""
+    if loss_agg not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}; valid modes: {', '.join(LOSS_AGG_MODES)}")
+    m = mask_BT.to(torch.float64)
+    if loss_agg == "token-mean":
+        return m.sum()
+    if loss_agg == "seq-mean-token-sum-norm":
+        return torch.tensor(float(mask_BT.shape[0]), dtype=torch.float64, device=mask_BT.device)
+    return (m.sum(dim=1) > 0).sum().to(torch.float64)

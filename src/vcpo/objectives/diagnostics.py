@@ -25,7 +25,7 @@ def quantile_metrics(prefix: str, values: Tensor, exp: bool = False) -> dict[str
     if values.numel() == 0:
         return {}
     v = values.detach().double().flatten()
-    qs = torch.quantile(v, torch.tensor([q for _, q in QUANTILES], dtype=v.dtype))
+    qs = torch.quantile(v, torch.tensor([q for _, q in QUANTILES], dtype=v.dtype, device=v.device))
     out = {f"{prefix}_{name}": float(q) for (name, _), q in zip(QUANTILES, qs, strict=True)}
     out[f"{prefix}_max"] = float(v.max())
     if exp:

@@ -16,14 +16,23 @@ from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
 ObjectiveFn = Callable[..., ObjectiveOutput]
 _REGISTRY: dict[str, ObjectiveFn] = {}
+_SCOPES: dict[str, str] = {}
+
+SCOPES = ("row", "group", "batch")
+"""What a row's loss depends on besides its own tensors (and the batch's token or sequence count that the
+aggregation divides by): nothing ("row"), its GRPO group's rows ("group", e.g. TB's per-group logZ), or every row
+of the call ("batch", e.g. BAPO's bounds, M2PO's mask). Micro-batched learners read it (docs/objectives.md)."""
 
 
-def register(name: str, *aliases: str) -> Callable[[ObjectiveFn], ObjectiveFn]:
-    """Register ``fn(inputs, *, loss_agg, max_len, **hyperparameters)`` under ``name`` (and aliases).
+def register(name: str, *aliases: str, scope: str = "row") -> Callable[[ObjectiveFn], ObjectiveFn]:
+    """Register ``fn(inputs, *, loss_agg, max_len, **hyperparameters)`` under ``name`` (and aliases), with the
+    ``scope`` of the statistics its per-row loss depends on (one of ``SCOPES``).
 
     The registered function checks and coerces its keyword arguments against the objective's spec
     (``vcpo.objective_specs``) before it runs, so a bad value is one ``ValueError`` naming it.
     """
+    if scope not in SCOPES:
+        raise ValueError(f"objective {name!r}: scope {scope!r} is not one of {', '.join(SCOPES)}")
     if name not in OBJECTIVES or sorted(aliases) != sorted(a for a, target in ALIASES.items() if target == name):
         raise ValueError(f"objective {name!r} (aliases {aliases}) does not match vcpo.objective_specs")
 
@@ -36,9 +45,16 @@ def register(name: str, *aliases: str) -> Callable[[ObjectiveFn], ObjectiveFn]:
             if key in _REGISTRY:
                 raise ValueError(f"objective {key!r} is already registered")
             _REGISTRY[key] = checked
+            _SCOPES[key] = scope
         return checked
 
     return deco
+
+
+def objective_scope(name: str) -> str:
+    """The scope (``SCOPES``) of the statistics that ``name``'s per-row loss depends on."""
+    _lookup(name)
+    return _SCOPES[name]
 
 
 def list_objectives() -> list[str]:

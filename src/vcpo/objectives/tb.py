@@ -21,7 +21,7 @@ def group_mean(values_B: Tensor, group_ids_B: Tensor, weight_B: Tensor) -> Tenso
     return (sums_G / counts_G.clamp(min=1.0))[inverse_B]
 
 
-@register("tb")
+@register("tb", scope="group")
 def tb(
     inp: ObjectiveInputs,
     *,

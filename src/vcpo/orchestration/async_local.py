@@ -66,7 +66,8 @@ class AsyncSource:
         self.P = spec.prompts_per_step
         self.num_workers = num_workers
         self.max_restarts = max_restarts
-        self.shared = {k: v.detach().clone().share_memory_() for k, v in model.state_dict().items()}
+        # A host copy whatever the learner's device: workers copy from it onto theirs.
+        self.shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in model.state_dict().items()}
         # Read by workers without a lock, as a hint; written only while every worker's lock is held.
         self.version = self._ctx.RawValue("q", start_version)
         self.controller = StalenessController(max_staleness, self.P, drop_older_than)

@@ -30,6 +30,8 @@ class WorkerSpec:
     worker_id: int
     model_path: str
     dtype: str
+    device: str
+    lm_head_fp32: bool
     task_name: str
     task_kwargs: dict[str, Any]
     seed: int
@@ -38,6 +40,8 @@ class WorkerSpec:
     sampling: SamplingParams
     inflight_updates: bool
     torch_threads: int = 1
+    reward_timeout_s: float = 5.0
+    reward_workers: int = 1
     parent_pid: int = 0
     """The trainer's pid: the worker exits when that process is gone."""
     handoff_timeout_s: float = 300.0
@@ -97,12 +101,15 @@ def _serve(spec: WorkerSpec, shared: dict[str, torch.Tensor], version: Any, tick
     from vcpo.models.loading import load_policy
     from vcpo.rollout.collect import collect_groups
     from vcpo.rollout.engine import HFRolloutEngine
-    from vcpo.tasks import make_task
+    from vcpo.tasks import make_task, prepare_scoring
 
     hf_logging.disable_progress_bar()
-    model, tokenizer = load_policy(spec.model_path, spec.dtype)
-    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1)
-    task = make_task(TaskConfig(name=spec.task_name, kwargs=spec.task_kwargs))
+    task = make_task(TaskConfig(name=spec.task_name, kwargs=spec.task_kwargs, reward_timeout_s=spec.reward_timeout_s,
+                                reward_workers=spec.reward_workers))
+    prepare_scoring(task)  # the sandboxed scorer starts while the model loads
+    model, tokenizer = load_policy(spec.model_path, spec.dtype, spec.device)
+    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1,
+                             lm_head_fp32=spec.lm_head_fp32)
     stream = ProblemStream(task, spec.seed, spec.prompts_per_step)
 
     def poll() -> tuple[int, dict[str, torch.Tensor]] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from vcpo.rollout.engine import WeightPoll
+from vcpo.tasks.base import score_completions
 from vcpo.types import Problem, SamplingParams, Trajectory
 
 
@@ -19,18 +20,22 @@ def collect_groups(
     generator: torch.Generator,
     weight_poll: WeightPoll | None = None,
 ) -> list[list[Trajectory]]:
-    """Generate ``group_size`` responses per problem in one engine call and score each with the task.
+    """Generate ``group_size`` responses per problem in one engine call and score them with the task in one batch
+    (one round trip to the sandboxed scoring pool per worker).
 
-    Returns one list of trajectories per problem (a GRPO group), in the order of ``problems``.
+    Returns one list of trajectories per problem (a GRPO group), in the order of ``problems``; each carries its
+    reward's status (``ok``, ``error``, ``crash``, ``timeout``), so the step that trains on it can count them.
     """
     prompt_ids = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
     flat_prompts = [ids for ids in prompt_ids for _ in range(group_size)]
     generations = engine.generate(flat_prompts, sampling, weight_poll=weight_poll, generator=generator)
+    texts = [tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in generations]
+    outcomes = score_completions(task, [p for p in problems for _ in range(group_size)], texts)
     groups: list[list[Trajectory]] = []
     for j, (problem, gid) in enumerate(zip(problems, group_ids, strict=True)):
         group = []
-        for g in generations[j * group_size : (j + 1) * group_size]:
-            text = tokenizer.decode(g.response_ids, skip_special_tokens=True)
+        for i in range(j * group_size, (j + 1) * group_size):
+            g, text, outcome = generations[i], texts[i], outcomes[i]
             group.append(
                 Trajectory(
                     problem_uid=problem.uid,
@@ -39,10 +44,11 @@ def collect_groups(
                     response_ids=list(g.response_ids),
                     behavior_logprobs=list(g.behavior_logprobs),
                     versions=list(g.versions),
-                    reward=float(task.reward(problem, text)),
+                    reward=outcome.reward,
                     finished=g.finished,
                     sampling=sampling,
                     response_text=text,
+                    reward_status=outcome.status,
                 )
             )
         groups.append(group)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vcpo.types import Generation, SamplingParams
+from vcpo.variance.logprobs import split_head
 
 WeightPoll = Callable[[], tuple[int, Mapping[str, Tensor]] | None]
 """Called before every forward pass of a generation: None, or (new version, new state dict) to apply now."""
@@ -58,19 +60,19 @@ def sample_next(
     gets token 0 and log-prob NaN, which the engine ends the row on and the learner skips the step for.
     """
     logits_BV = logits_BV.float()
-    broken_B = torch.isnan(logits_BV).any(-1) | torch.isposinf(logits_BV).any(-1) | ~torch.isfinite(logits_BV).any(-1)
-    if bool(broken_B.any()):
-        logits_BV = logits_BV.masked_fill(broken_B[:, None], 0.0)  # a stand-in that samples; its result is discarded
-    logq_BV = torch.log_softmax(logits_BV / sampling.temperature, dim=-1)
+    if sampling.temperature != 1.0:  # x / 1.0 == x: skip the pass over [B, V]
+        logits_BV = logits_BV / sampling.temperature
+    logq_BV = torch.log_softmax(logits_BV, dim=-1)
+    # A NaN or +inf logit, or no finite one, makes the whole row of log q NaN, and a sound row has no NaN at
+    # all: one column tells. Broken rows sample a stand-in (discarded) without a host sync to ask first.
+    broken_B = torch.isnan(logq_BV[:, 0])
+    logq_BV = torch.where(broken_B[:, None], 0.0, logq_BV)
     if greedy:
         tokens_B = logq_BV.argmax(dim=-1)
         logprobs_B = logq_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
     else:
         tokens_B, logprobs_B = _sample(logq_BV, sampling.top_p, generator)
-    if bool(broken_B.any()):
-        tokens_B = tokens_B.masked_fill(broken_B, 0)
-        logprobs_B = logprobs_B.masked_fill(broken_B, math.nan)
-    return tokens_B, logprobs_B
+    return tokens_B.masked_fill(broken_B, 0), logprobs_B.masked_fill(broken_B, math.nan)
 
 
 def _sample(logq_BV: Tensor, top_p: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
@@ -107,10 +109,11 @@ def _left_pad(prompt_ids: list[list[int]], pad_id: int, device: torch.device) ->
     positions it would have unpadded, which is what the learner's right-padded recompute uses.
     """
     P = max(len(p) for p in prompt_ids)
-    input_ids_BP = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long)
-    attention_mask_BP = torch.zeros((len(prompt_ids), P), dtype=torch.long)
+    # Built on the host (one transfer), whatever the default device.
+    input_ids_BP = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long, device="cpu")
+    attention_mask_BP = torch.zeros((len(prompt_ids), P), dtype=torch.long, device="cpu")
     for b, prompt in enumerate(prompt_ids):
-        input_ids_BP[b, P - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        input_ids_BP[b, P - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device="cpu")
         attention_mask_BP[b, P - len(prompt) :] = 1
     position_ids_BP = (attention_mask_BP.cumsum(dim=-1) - 1).clamp(min=0)
     return input_ids_BP.to(device), attention_mask_BP.to(device), position_ids_BP.to(device)
@@ -119,15 +122,26 @@ def _left_pad(prompt_ids: list[list[int]], pad_id: int, device: torch.device) ->
 class HFRolloutEngine:
     """``RolloutEngine`` for any Hugging Face causal LM: left-padded batch, prefill, then one token per step.
 
-    The model is put in eval mode and used in place: ``load_weights`` copies into its parameters.
-    A ``generator`` must live on the model's device.
+    The model is put in eval mode and used in place: ``load_weights`` copies into its parameters. Sampled
+    tokens and their log-probs stay on the model's device until the generation ends (one host sync per step:
+    whether any row is still running). ``lm_head_fp32`` computes the logits in float32 from a half-precision
+    model's hidden states (as the learner then does). A ``generator`` on another device than the model's seeds
+    one there, deterministically.
     """
 
-    def __init__(self, model: nn.Module, eos_id: int, pad_id: int, version: int = 0) -> None:
+    def __init__(
+        self, model: nn.Module, eos_id: int, pad_id: int, version: int = 0, lm_head_fp32: bool = False
+    ) -> None:
         self.model = model.eval()
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.version = version
+        self.lm_head_fp32 = lm_head_fp32
+        self._head32: tuple[tuple, Tensor, Tensor | None] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
@@ -159,6 +173,36 @@ class HFRolloutEngine:
             targets[key].copy_(value)
         self.version = version
 
+    def _fp32_split(self) -> tuple[nn.Module, Tensor, Tensor | None] | None:
+        """``(body, float32 head weight, bias)`` when the logits are to be computed in float32, else None.
+
+        The float32 copy is made once per version of the weights (in-place updates bump ``_version``)."""
+        if not self.lm_head_fp32:
+            return None
+        split = split_head(self.model)
+        if split is None:
+            raise RolloutError(f"lm_head_fp32: {type(self.model).__name__}'s logits are not a Linear head")
+        body, head = split
+        if head.weight.dtype in (torch.float32, torch.float64):
+            return None  # already full precision: the model's own head is the same computation
+        key = (head.weight.data_ptr(), head.weight._version)
+        if self._head32 is None or self._head32[0] != key:
+            bias = None if head.bias is None else head.bias.float()
+            self._head32 = (key, head.weight.float(), bias)
+        return body, self._head32[1], self._head32[2]
+
+    def _next_logits(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, past) -> tuple[Tensor, Any]:
+        """[B, V] logits of the next token of every row, and the updated KV cache."""
+        split = self._fp32_split()
+        if split is None:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past, use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1], out.past_key_values
+        body, weight, bias = split
+        out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   past_key_values=past, use_cache=True)
+        return F.linear(out.last_hidden_state[:, -1].float(), weight, bias), out.past_key_values
+
     @torch.no_grad()
     def generate(
         self,
@@ -179,37 +223,46 @@ class HFRolloutEngine:
         gens = [Generation(response_ids=[], behavior_logprobs=[], versions=[], finished=False) for _ in prompt_ids]
         if not prompt_ids or sampling.max_new_tokens == 0:
             return gens
-        device = next(self.model.parameters()).device
-        input_ids_BL, attention_mask_BL, position_ids_BL = _left_pad(prompt_ids, self.pad_id, device)
+        device, B, N = self.device, len(prompt_ids), sampling.max_new_tokens
+        if generator is not None and generator.device != device:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+            generator = torch.Generator(device).manual_seed(seed)
+        input_ids_BL, prompt_mask_BP, position_ids_BL = _left_pad(prompt_ids, self.pad_id, device)
+        P = prompt_mask_BP.shape[1]
+        # Preallocated: the attention mask grows by a column per step as a view, tokens stay on the device.
+        attention_mask_BM = torch.zeros((B, P + N), dtype=torch.long, device=device)
+        attention_mask_BM[:, :P] = prompt_mask_BP
+        tokens_BN = torch.full((B, N), self.pad_id, dtype=torch.long, device=device)
+        logprobs_BN = torch.zeros((B, N), dtype=torch.float32, device=device)
+        lengths_B = torch.zeros(B, dtype=torch.long, device=device)
+        active_B = torch.ones(B, dtype=torch.bool, device=device)
         next_position_B = position_ids_BL[:, -1] + 1
-        active_B = torch.ones(len(prompt_ids), dtype=torch.bool, device=device)
+        versions: list[int] = []  # the weights' version at each step (all rows step together)
         past_key_values = None
-        for _ in range(sampling.max_new_tokens):
+        for n in range(N):
             if weight_poll is not None and (update := weight_poll()) is not None:
                 self.load_weights(update[1], version=update[0])
-            out = self.model(
-                input_ids=input_ids_BL,
-                attention_mask=attention_mask_BL,
-                position_ids=position_ids_BL,
-                past_key_values=past_key_values,
-                use_cache=True,
-                logits_to_keep=1,
+            versions.append(self.version)
+            logits_BV, past_key_values = self._next_logits(
+                input_ids_BL, attention_mask_BM[:, : P + n], position_ids_BL, past_key_values
             )
-            past_key_values = out.past_key_values
-            tokens_B, logprobs_B = sample_next(out.logits[:, -1], sampling, generator, greedy)
-            tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
-            for b in active_B.nonzero().flatten().tolist():
-                gens[b].response_ids.append(tokens[b])
-                gens[b].behavior_logprobs.append(logprobs[b])
-                gens[b].versions.append(self.version)
-                gens[b].finished = tokens[b] == self.eos_id and not math.isnan(logprobs[b])
-            # A row sampled from broken logits (NaN log-prob) ends here, unfinished.
-            active_B &= (tokens_B != self.eos_id) & ~torch.isnan(logprobs_B)
-            if not active_B.any():
+            tokens_B, logprobs_B = sample_next(logits_BV, sampling, generator, greedy)
+            tokens_BN[:, n] = tokens_B
+            logprobs_BN[:, n] = logprobs_B
+            lengths_B += active_B
+            active_B &= (tokens_B != self.eos_id) & ~torch.isnan(logprobs_B)  # a broken row ends, unfinished
+            if n + 1 == N or not bool(active_B.any()):
                 break
             # Finished rows keep stepping with a masked pad token so the batch stays rectangular.
+            attention_mask_BM[:, P + n] = active_B
             input_ids_BL = torch.where(active_B, tokens_B, self.pad_id)[:, None]
-            attention_mask_BL = torch.cat([attention_mask_BL, active_B.long()[:, None]], dim=-1)
             position_ids_BL = next_position_B[:, None]
             next_position_B = next_position_B + 1
+        tokens, logprobs, lengths = tokens_BN.tolist(), logprobs_BN.tolist(), lengths_B.tolist()
+        for gen, row_tokens, row_logprobs, length in zip(gens, tokens, logprobs, lengths, strict=True):
+            gen.response_ids = row_tokens[:length]
+            gen.behavior_logprobs = row_logprobs[:length]
+            gen.versions = versions[:length]
+            last = length - 1
+            gen.finished = length > 0 and row_tokens[last] == self.eos_id and not math.isnan(row_logprobs[last])
         return gens

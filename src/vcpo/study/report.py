@@ -1,6 +1,6 @@
-"""`vcpo report SWEEP_DIR`: REPORT.md (per-cell and aggregate tables, early-warning evaluation, claims
-checked against the data) and PNG figures, read only from the cells' metrics.jsonl, summary.json and
-config.yaml (plus sweep.json for the command).
+"""`vcpo report SWEEP_DIR`: REPORT.md (provenance, per-run and per-(arm, k) tables with 95% intervals, collapse
+counts, early-warning rules tuned and held out, claims with paired comparisons) and PNG figures, read only from
+the cells' metrics.jsonl, summary.json, config.yaml and cell.json (plus sweep.json for the command).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from vcpo.metrics import read_metrics
+from vcpo.study import detector as rules
+from vcpo.study.claims import by_run, claims, collapse_count, paired_difference
 from vcpo.study.collapse import (
     COLLAPSE_FRACTION,
     EarlyWarning,
@@ -24,22 +24,22 @@ from vcpo.study.collapse import (
     evaluate_warnings,
     warning_steps,
 )
+from vcpo.study.figures import accuracy_vs_k, curves
+from vcpo.study.provenance import read_cell_record
+from vcpo.study.stats import Interval, t_interval
 
 REPORT_FILE = "REPORT.md"
-CELL_NAME = re.compile(r"^(?P<arm>.+)_k(?P<k>\d+)_s(?P<seed>\d+)$")
-BASELINES = ("grpo", "tis_seq", "icepop", "m2po", "vespo", "gspo")
+CELL_NAME = re.compile(r"^(?P<arm>.+?)_k(?P<k>\d+)(?:_(?P<ws>[A-Za-z0-9-]+))?_s(?P<seed>\d+)$")
 LATE_EVALS = 3
-"""Late accuracy: the mean of a run's last LATE_EVALS held-out evaluations. One 200-problem evaluation has a
-binomial standard error of about 0.03, as large as the differences in question; the mean of three (and of the
-seeds) is what the aggregate tables, the accuracy-vs-k figure and claim (c) use. Final and best are per cell."""
+"""Late accuracy: the mean of a run's last LATE_EVALS held-out evaluations (one 500-problem evaluation has a
+binomial standard error of about 0.022 at accuracy 0.5, 0.035 for 200 problems at 0.3)."""
 LATE_REWARD_STEPS = 50
-MATCH_TOLERANCE = 0.05
-"""Claim (c): "matches synchronous accuracy" means within this absolute accuracy of the k=0 run; about two
-binomial standard errors of a 200-problem evaluation at accuracy 0.3 (2 x sqrt(0.21 / 200) = 0.065)."""
+REFERENCE_ARM = "grpo"
+"""The paired-comparison table gives every arm's late accuracy minus this arm's, run by run."""
 
 
 class ReportError(Exception):
-    """Nothing to report (no sweep directory, no finished cell); the message is one line naming it."""
+    """Nothing to report, or cells that must not be mixed; the message is one line naming them."""
 
 
 def summarize_cell(run_dir: Path) -> dict[str, Any]:
@@ -52,10 +52,11 @@ def summarize_cell(run_dir: Path) -> dict[str, Any]:
     rewards = [r["reward/mean"] for r in records if isinstance(r.get("reward/mean"), int | float)]
     learner_s = [r["time/learner_s"] for r in records if isinstance(r.get("time/learner_s"), int | float)]
     warnings = warning_steps(records)
+    late = statistics.fmean(accs[-LATE_EVALS:]) if accs else None
     return {
         "initial_accuracy": summary["initial_accuracy"], "final_accuracy": summary["final_accuracy"],
         "best_accuracy": max(accs) if accs else None, "collapse_step": collapse_point(steps, accs),
-        "late_accuracy": statistics.fmean(accs[-LATE_EVALS:]) if accs else None,
+        "late_accuracy": late, "late_gain": late - summary["initial_accuracy"] if late is not None else None,
         "late_reward": statistics.fmean(rewards[-LATE_REWARD_STEPS:]) if rewards else None,
         "warning_steps": warnings, "first_warning_step": warnings[0] if warnings else None,
         "mean_ess_ratio": statistics.fmean(ess) if ess else None, "wall_time_s": summary["wall_time_s"],
@@ -65,7 +66,7 @@ def summarize_cell(run_dir: Path) -> dict[str, Any]:
 
 
 def load_cells(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """(finished cells with their records and summaries, names of unfinished or failed cells)."""
+    """(finished cells with their records, summaries and provenance, names of unfinished or failed cells)."""
     done, unfinished = [], []
     for run_dir in sorted((sweep_dir / "cells").glob("*")):
         match = CELL_NAME.match(run_dir.name)
@@ -75,10 +76,28 @@ def load_cells(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
             unfinished.append(run_dir.name)
             continue
         config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        record = read_cell_record(run_dir) or {}
+        ws = record.get("warm_start") or {}
         cell = {"name": run_dir.name, "arm": match["arm"], "k": config["async"]["max_staleness"],
-                "seed": config["seed"], "records": read_metrics(run_dir / "metrics.jsonl")}
+                "seed": config["seed"], "warm_start": match["ws"] or ws.get("id"), "warm_start_hash": ws.get("hash"),
+                "git": record.get("git") or {}, "records": read_metrics(run_dir / "metrics.jsonl")}
         done.append(cell | summarize_cell(run_dir))
     return done, unfinished
+
+
+def check_warm_starts(cells: list[dict[str, Any]]) -> dict[str, str]:
+    """Each recorded warm-start id's hash; raises ReportError when two cells of one id started from different
+    models (e.g. a grid resumed after the pinned model changed), since their numbers cannot be pooled."""
+    seen: dict[str, tuple[str, str]] = {}
+    for cell in cells:
+        ws, sha = cell["warm_start"], cell["warm_start_hash"]
+        if ws is None or sha is None:
+            continue
+        if ws in seen and seen[ws][0] != sha:
+            raise ReportError(f"cells {seen[ws][1]} and {cell['name']} both claim warm start {ws!r} but started "
+                              f"from different models (hash {seen[ws][0]} vs {sha}); report them apart")
+        seen.setdefault(ws, (sha, cell["name"]))
+    return {ws: sha for ws, (sha, _) in sorted(seen.items())}
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -87,139 +106,77 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def _by_arm_k(cells: list[dict[str, Any]], key: str = "late_accuracy") -> dict[str, dict[int, float]]:
-    """Mean of a cell value over seeds, per arm and k."""
+def intervals(cells: list[dict[str, Any]], key: str) -> dict[str, dict[int, Interval]]:
+    """Per arm and k, the t interval of a cell value over that arm's runs (warm starts x seeds)."""
     groups: dict[str, dict[int, list[float]]] = {}
     for c in cells:
         if c.get(key) is not None:
             groups.setdefault(c["arm"], {}).setdefault(c["k"], []).append(c[key])
-    return {arm: {k: statistics.fmean(v) for k, v in sorted(by_k.items())} for arm, by_k in groups.items()}
+    return {arm: {k: t_interval(v) for k, v in sorted(by_k.items())} for arm, by_k in groups.items()}
 
 
-def claims(cells: list[dict[str, Any]], evaluation: dict[str, Any], ks: list[int]) -> list[str]:
-    """The claims under test (VCPO's (a)-(c), VESPO's (d)), each stated as held / did not hold / not tested."""
-    lines = []
-    collapsed_at = {arm: sorted({c["k"] for c in cells if c["arm"] == arm and c["collapse_step"] is not None})
-                    for arm in BASELINES if any(c["arm"] == arm for c in cells)}
-    if not collapsed_at:
-        lines.append("(a) Plain and clipped objectives collapse as k grows: NOT TESTED (no baseline arm in this grid).")
-    else:
-        per_arm = "; ".join(f"{arm}: {', '.join(f'k={k}' for k in ks_) if ks_ else 'never'}"
-                            for arm, ks_ in collapsed_at.items())
-        rising = [arm for arm, ks_ in collapsed_at.items() if ks_ and 0 not in ks_]
-        verdict = ("HELD" if len(rising) == len(collapsed_at) else
-                   "HELD PARTLY" if rising else "DID NOT HOLD")
-        lines.append(f"(a) Plain and clipped objectives collapse as k grows: {verdict} on this grid "
-                     f"({len(rising)} of {len(collapsed_at)} baseline arms collapsed at some k > 0 and not at k = 0). "
-                     f"Collapses by arm: {per_arm}.")
-    n, hits = evaluation["collapsed"], evaluation["hits"]
-    quiet_total = evaluation["false_alarms"] + evaluation["quiet"]
-    if n == 0:
-        lines.append("(b) Collapse is preceded by a sharp ESS fall and an unstable gradient norm: NOT TESTED "
-                     f"(no run collapsed); the detector fired in {evaluation['false_alarms']} of {quiet_total} runs.")
-    else:
-        held = hits / n >= 0.8 and (quiet_total == 0 or evaluation["false_alarms"] / quiet_total <= 0.2)
-        lines.append(f"(b) Collapse is preceded by a sharp ESS fall and an unstable gradient norm: "
-                     f"{'HELD' if held else 'DID NOT HOLD'} on this grid (criterion: warned before >= 80% of "
-                     f"collapses and in <= 20% of stable runs). Warned before {hits} of {n} collapses "
-                     f"(median lead {_fmt(evaluation['median_lead_steps'], 1)} steps), missed {evaluation['misses']}, "
-                     f"false alarms in {evaluation['false_alarms']} of {quiet_total} runs that never collapsed.")
-    vcpo = _by_arm_k([c for c in cells if c["arm"] == "vcpo"]).get("vcpo", {})
-    if 0 not in vcpo or len(vcpo) < 2:
-        lines.append("(c) VCPO stays stable and matches synchronous accuracy up to k = 128: NOT TESTED "
-                     "(needs vcpo runs at k = 0 and at some k > 0).")
-    else:
-        # "Synchronous accuracy": every arm's k = 0 runs (all on-policy, so alike up to noise), not only vcpo's.
-        sync = statistics.fmean(c["late_accuracy"] for c in cells if c["k"] == 0 and c["late_accuracy"] is not None)
-        stable = not any(c["collapse_step"] is not None for c in cells if c["arm"] == "vcpo")
-        matched = all(acc >= sync - MATCH_TOLERANCE for k, acc in vcpo.items() if k > 0)
-        held = stable and matched
-        verdict = "HELD" if held and 128 in ks else f"HELD only up to k = {max(ks)}" if held else "DID NOT HOLD"
-        scope = "" if 128 in ks else " The grid has no k = 128, so the claim at k = 128 is untested."
-        detail = ", ".join(f"k={k}: {acc:.3f}" for k, acc in vcpo.items())
-        lines.append(f"(c) VCPO stays stable and matches synchronous accuracy up to k = 128: "
-                     f"{verdict} on this grid ({'no' if stable else 'some'} vcpo run collapsed; synchronous "
-                     f"accuracy {sync:.3f} (late accuracy of every arm's k = 0 runs), tolerance {MATCH_TOLERANCE}; "
-                     f"vcpo's late accuracy {detail}).{scope}")
-    vespo = [c for c in cells if c["arm"] == "vespo"]
-    tested = sorted({c["k"] for c in vespo if 0 < c["k"] <= 64})
-    if not tested:
-        lines.append("(d) VESPO stays stable up to 64x staleness: NOT TESTED (no vespo run with 0 < k <= 64).")
-    else:
-        collapsed = sorted({c["k"] for c in vespo if c["k"] <= 64 and c["collapse_step"] is not None})
-        finals = _by_arm_k(vespo).get("vespo", {})
-        detail = ", ".join(f"k={k}: {acc:.3f}" for k, acc in finals.items())
-        verdict = "DID NOT HOLD" if collapsed else "HELD" if 64 in tested else f"HELD up to k = {max(tested)}"
-        lines.append(f"(d) VESPO stays stable up to 64x staleness: {verdict} on this grid (collapsed at "
-                     f"{', '.join(f'k={k}' for k in collapsed) if collapsed else 'no k <= 64'}; "
-                     f"late accuracy {detail}).")
-    return lines
+def _table(rows: dict[str, dict[int, Any]], ks: list[int]) -> list[str]:
+    out = ["| arm | " + " | ".join(f"k={k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
+    return out + [f"| {arm} | " + " | ".join(str(by_k[k]) if k in by_k else "-" for k in ks) + " |"
+                  for arm, by_k in rows.items()]
 
 
-def _curves(cells: list[dict[str, Any]], key: str, title: str, path: Path, log_y: bool = False,
-            smooth: int = 1) -> Path:
-    """Small multiples, one panel per k, one line per cell (colour per arm), collapse points marked with x."""
-    ks = sorted({c["k"] for c in cells})
-    arms = sorted({c["arm"] for c in cells})
-    colours = {arm: f"C{i % 10}" for i, arm in enumerate(arms)}
-    fig = Figure(figsize=(4.5 * len(ks), 3.6))
-    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.14, top=0.85, wspace=0.25)
-    for i, k in enumerate(ks):
-        ax = fig.add_subplot(1, len(ks), i + 1)
-        for c in (c for c in cells if c["k"] == k):
-            points = [(r["step"], r[key]) for r in c["records"] if isinstance(r.get(key), int | float)]
-            if not points:
-                continue
-            steps, raw = zip(*points, strict=True)
-            # A trailing moving average: per-step reward of 128 samples is too noisy to read by eye.
-            values = [statistics.fmean(raw[max(0, j - smooth + 1): j + 1]) for j in range(len(raw))]
-            ax.plot(steps, values, color=colours[c["arm"]], lw=1, label=c["arm"] if c["seed"] == min(
-                x["seed"] for x in cells if x["arm"] == c["arm"]) else None)
-            if c["collapse_step"] is not None:
-                j = min(range(len(steps)), key=lambda j: abs(steps[j] - c["collapse_step"]))
-                ax.plot([steps[j]], [values[j]], "x", color="black", markersize=9, mew=2)
-        if log_y:
-            ax.set_yscale("log")
-        ax.set_title(f"k = {k}", fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    fig.axes[0].legend(fontsize=7)
-    fig.suptitle(f"{title} (x = collapse)")
-    FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=90)
-    return path
+def detector_results(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The early-warning rules tuned on one split and scored on the held-out one (None without two splits)."""
+    split = rules.detector_split(cells)
+    if split is None:
+        return None
+    tune_cells, held_out, how = split
+    fixed = EarlyWarning()
+    rows = [{"name": "issue 5's rule (fixed)", "rule": f"ESS {fixed.smooth}-step mean < {fixed.ess_drop} x its "
+             f"{fixed.window}-step median or < {fixed.ess_floor}, or grad norm > {fixed.grad_spike} x median",
+             "tuning": evaluate_warnings(tune_cells), "held_out": evaluate_warnings(held_out)}]
+    for name, family in (("ESS below x (trivial baseline)", rules.BASELINE_RULES),
+                         ("training reward falls", rules.REWARD_RULES)):
+        tuned = rules.tune(family, tune_cells)
+        if tuned is not None:
+            rule, on_tuning = tuned
+            rows.append({"name": name, "rule": rule.describe(), "tuning": on_tuning,
+                         "held_out": rules.score(rule, held_out)})
+    for row in rows:
+        h = row["held_out"]
+        row["met"] = bool(h["recall"] is not None and h["recall"] >= 0.8 and (h["false_alarm_rate"] or 0.0)
+                          < rules.MAX_FALSE_ALARM_RATE)
+    best = max(rows[1:] or rows, key=lambda row: rules.preference(row["tuning"]))
+    return {"how": how, "rows": rows, "best": best}
 
 
-def _accuracy_vs_k(cells: list[dict[str, Any]], path: Path) -> Path:
-    ks = sorted({c["k"] for c in cells})
-    fig = Figure(figsize=(7, 4.5))
-    fig.subplots_adjust(left=0.13, right=0.75, bottom=0.12, top=0.9)
-    ax = fig.add_subplot()
-    for arm, by_k in _by_arm_k(cells).items():
-        # k spans 0..128: evenly spaced positions keep k = 0 and k = 4 apart.
-        ax.plot([ks.index(k) for k in by_k], list(by_k.values()), marker="o", label=arm)
-    ax.axhline(statistics.fmean(c["initial_accuracy"] for c in cells), color="grey", ls="--", label="before RL")
-    ax.set_xticks(range(len(ks)), [str(k) for k in ks])
-    ax.set_xlabel("staleness k (steps)")
-    ax.set_ylabel(f"late accuracy (last {LATE_EVALS} evals, mean over seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=90)
-    return path
+def _detector_lines(result: dict[str, Any] | None) -> list[str]:
+    if result is None:
+        return ["Not scored: the cells have a single warm start and a single seed (no held-out split)."]
+    untuned = "" if len(result["rows"]) > 1 else " No run of the tuning split collapsed: nothing to tune the rules on."
+    out = [f"Rules {result['how']}.{untuned} Each family's parameters are chosen on the tuning split: most "
+           f"recall with false alarms in under {rules.MAX_FALSE_ALARM_RATE:.0%} of stable runs, else recall minus "
+           "false-alarm rate. "
+           "Recall: collapses warned at or before the collapse step; false alarms: runs that never collapsed but "
+           f"warned; alarms per stable run: warnings more than {rules.EPISODE_GAP} steps apart count apart; lead: "
+           "collapse step minus the first warning.", "",
+           "| rule | split | collapsed | warned before | false alarms (runs) | alarms per stable run | median lead |",
+           "|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        for split in ("tuning", "held_out"):
+            s = row[split]
+            stable = s["false_alarms"] + s["quiet"]
+            out.append(f"| {row['name']}: {row['rule']} | {split.replace('_', '-')} | {s['collapsed']} | "
+                       f"{s['hits']} | {s['false_alarms']}/{stable} | {_fmt(s.get('alarms_per_stable_run'), 2)} | "
+                       f"{_fmt(s['median_lead_steps'], 1)} |")
+    return out
 
 
-def _held_out_warnings(cells: list[dict[str, Any]]) -> list[str]:
-    """The detector's record on the seeds it was not designed on (it was revised after the first seed's cells)."""
-    seeds = sorted({c["seed"] for c in cells})
-    if len(seeds) < 2:
-        return []
-    e = evaluate_warnings([c for c in cells if c["seed"] != seeds[0]])
-    return ["", f"On seed{'s' if len(seeds) > 2 else ''} {', '.join(map(str, seeds[1:]))} alone (the detector "
-            f"was revised after inspecting seed-{seeds[0]} cells, so these are its held-out runs): cells "
-            f"{e['cells']}, collapsed {e['collapsed']}, warned before collapse {e['hits']}, missed {e['misses']}, "
-            f"false alarms {e['false_alarms']}, quiet and stable {e['quiet']}; lead times (steps): "
-            f"{e['lead_steps'] or 'none'}."]
+def _provenance_lines(cells: list[dict[str, Any]], hashes: dict[str, str]) -> list[str]:
+    commits = sorted({(c["git"].get("commit") or "")[:10] + (" (dirty)" if c["git"].get("dirty") else "")
+                      for c in cells if c["git"].get("commit")})
+    out = [f"Code: {', '.join(commits) if commits else 'not recorded (cells predate provenance)'}.  "]
+    for ws in sorted({c["warm_start"] for c in cells if c["warm_start"]}):
+        initial = t_interval([c["initial_accuracy"] for c in cells if c["warm_start"] == ws])
+        out.append(f"Warm start {ws}: hash {hashes.get(ws, 'not recorded')}, accuracy before RL {initial} "
+                   f"(over its cells' held-out sets).  ")
+    return out
 
 
 def write_report(sweep_dir: str | Path) -> Path:
@@ -230,59 +187,62 @@ def write_report(sweep_dir: str | Path) -> Path:
     cells, unfinished = load_cells(sweep_dir)
     if not cells:
         raise ReportError(f"no finished cell in {sweep_dir / 'cells'} (no summary.json)")
+    hashes = check_warm_starts(cells)
     meta_path = sweep_dir / "sweep.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     ks = sorted({c["k"] for c in cells})
-    evaluation = evaluate_warnings(cells)
-    detector = EarlyWarning()
+    detector = detector_results(cells)
     out = [f"# Sweep report: {sweep_dir.resolve().name}", "",
            f"Command: `{meta.get('command') or 'unknown'}`  ", f"Date: {meta.get('date', 'unknown')}; machine: "
            f"{meta.get('machine', 'unknown')} ({meta.get('cpu_count', '?')} CPUs); grid: "
-           f"`{json.dumps(meta.get('grid', {}))}`", "",
+           f"`{json.dumps(meta.get('grid', {}))}`  ", *_provenance_lines(cells, hashes), "",
            f"Collapse: held-out accuracy below {COLLAPSE_FRACTION} x its best so far (the pre-RL evaluation "
-           "included) at an evaluation and at every later one (no recovery).  ",
-           f"Early warning: the ESS ratio's {detector.smooth}-step mean < {detector.ess_drop} x its median over the "
-           f"{detector.window} steps before (or < {detector.ess_floor}), or grad norm > {detector.grad_spike} x its "
-           f"median over the previous {detector.window} steps (or non-finite).", "",
-           "## Cells", "",
-           "| arm | k | seed | initial acc | final acc | best acc | collapsed | collapse step | first warning "
+           "included) at an evaluation and at every later one (no recovery). Late accuracy: the mean of a run's "
+           f"last {LATE_EVALS} evaluations. Intervals: 95% Student-t over a cell's runs (warm starts x seeds); "
+           "collapse counts with 95% Wilson intervals; differences between arms paired over runs of the same "
+           "warm start and seed (same problem stream and held-out set), t intervals of the differences.", "",
+           "## Runs", "",
+           "| arm | k | warm start | seed | initial acc | late acc | final acc | best acc | collapse step "
            "| mean ESS ratio | wall time (s) |", "|---" * 11 + "|"]
-    for c in sorted(cells, key=lambda c: (c["arm"], c["k"], c["seed"])):
-        out.append(f"| {c['arm']} | {c['k']} | {c['seed']} | {_fmt(c['initial_accuracy'])} | "
-                   f"{_fmt(c['final_accuracy'])} | {_fmt(c['best_accuracy'])} | "
-                   f"{'yes' if c['collapse_step'] is not None else 'no'} | {_fmt(c['collapse_step'])} | "
-                   f"{_fmt(c['first_warning_step'])} | {_fmt(c['mean_ess_ratio'])} | {c['wall_time_s']:.0f} |")
+    for c in sorted(cells, key=lambda c: (c["arm"], c["k"], str(c["warm_start"]), c["seed"])):
+        out.append(f"| {c['arm']} | {c['k']} | {c['warm_start'] or '-'} | {c['seed']} | {_fmt(c['initial_accuracy'])} "
+                   f"| {_fmt(c['late_accuracy'])} | {_fmt(c['final_accuracy'])} | {_fmt(c['best_accuracy'])} | "
+                   f"{_fmt(c['collapse_step'])} | {_fmt(c['mean_ess_ratio'])} | {c['wall_time_s']:.0f} |")
     if unfinished:
         out += ["", f"Unfinished or failed cells (not in any number below): {', '.join(unfinished)}."]
-    for key, title in (
-        ("final_accuracy", "Final held-out accuracy (last evaluation), mean over seeds"),
-        ("late_accuracy", f"Late held-out accuracy (mean of the last {LATE_EVALS} evaluations), mean over seeds"),
-        ("late_reward", f"Training reward (mean of the last {LATE_REWARD_STEPS} steps), mean over seeds"),
-        ("mean_ess_ratio", "ESS ratio (mean over the run), mean over seeds"),
-        ("learner_step_s", "Learner step time (s, median over the run's steps), mean over seeds"),
+    late = intervals(cells, "late_accuracy")
+    for key, title, with_interval in (
+        ("late_accuracy", "Late held-out accuracy, mean [95% interval] over runs", True),
+        ("late_gain", "Late accuracy minus accuracy before RL, mean [95% interval] over runs", True),
+        ("late_reward", f"Training reward (mean of the last {LATE_REWARD_STEPS} steps), mean over runs", False),
+        ("mean_ess_ratio", "ESS ratio (mean over the run), mean over runs", False),
+        ("learner_step_s", "Learner step time (s, median over the run's steps), mean over runs", False),
     ):
-        table = _by_arm_k(cells, key)
+        table: dict[str, dict[int, Any]] = intervals(cells, key)
         if not table:  # e.g. step times not recorded or not exported
             continue
-        out += ["", f"## {title}", ""]
-        if key == "learner_step_s":
-            out += ["Wall clock of one `Learner.step` (forward, backward, per-row norms where the method needs "
-                    "them, optimizer) on the cells' real batches, with as many cells at a time as the command's "
-                    "`--workers` (all arms alike).", ""]
-        out += ["| arm | " + " | ".join(f"k={k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
-        out += [f"| {arm} | " + " | ".join(_fmt(by_k.get(k)) for k in ks) + " |" for arm, by_k in table.items()]
-    out += ["", "## Early warning", "",
-            f"Cells {evaluation['cells']}, collapsed {evaluation['collapsed']}, warned before collapse "
-            f"{evaluation['hits']}, missed {evaluation['misses']}, false alarms {evaluation['false_alarms']}, "
-            f"quiet and stable {evaluation['quiet']}; lead times (steps): {evaluation['lead_steps'] or 'none'}.",
-            *_held_out_warnings(cells), "", "## Claims", "",
-            *[f"- {line}" for line in claims(cells, evaluation, ks)], "", "## Figures", ""]
+        if not with_interval:
+            table = {arm: {k: _fmt(iv.mean) for k, iv in by_k.items()} for arm, by_k in table.items()}
+        out += ["", f"## {title}", "", *_table(table, ks)]
+    out += ["", "## Collapsed runs, count/runs (rate [95% Wilson interval])", "",
+            *_table({arm: {k: collapse_count([c for c in cells if c["arm"] == arm and c["k"] == k]) for k in by_k}
+                     for arm, by_k in late.items()}, ks)]
+    reference = {k: by_run(cells, REFERENCE_ARM, k) for k in ks}
+    paired = {arm: {k: paired_difference(by_run(cells, arm, k), reference[k]) for k in by_k}
+              for arm, by_k in late.items() if arm != REFERENCE_ARM}
+    out += ["", f"## Late accuracy minus {REFERENCE_ARM}'s, paired over runs (* : the interval excludes 0)", "",
+            *_table({arm: {k: f"{iv}{' *' if iv.excludes_zero() else ''}" for k, iv in by_k.items() if iv}
+                     for arm, by_k in paired.items()}, ks)]
+    out += ["", "## Early warning", "", *_detector_lines(detector), "", "## Claims", "",
+            *[f"- {line}" for line in claims(cells, ks, detector)], "", "## Figures", ""]
+    initial = statistics.fmean(c["initial_accuracy"] for c in cells)
     figures = [
-        _accuracy_vs_k(cells, sweep_dir / "accuracy_vs_k.png"),
-        _curves(cells, "eval/accuracy", "Held-out accuracy", sweep_dir / "accuracy_curves.png"),
-        _curves(cells, "reward/mean", "Training reward (10-step mean)", sweep_dir / "reward_curves.png", smooth=10),
-        _curves(cells, "ess/ratio", "ESS ratio (10-step mean)", sweep_dir / "ess_curves.png", smooth=10),
-        _curves(cells, "grad_norm", "Gradient norm (before clipping)", sweep_dir / "grad_norm_curves.png", log_y=True),
+        accuracy_vs_k(late, initial, f"late accuracy (last {LATE_EVALS} evals), mean and 95% interval",
+                      sweep_dir / "accuracy_vs_k.png"),
+        curves(cells, "eval/accuracy", "Held-out accuracy", sweep_dir / "accuracy_curves.png"),
+        curves(cells, "reward/mean", "Training reward (10-step mean)", sweep_dir / "reward_curves.png", smooth=10),
+        curves(cells, "ess/ratio", "ESS ratio (10-step mean)", sweep_dir / "ess_curves.png", smooth=10),
+        curves(cells, "grad_norm", "Gradient norm (before clipping)", sweep_dir / "grad_norm_curves.png", log_y=True),
     ]
     out += [f"![{p.stem}]({p.name})" for p in figures]
     path = sweep_dir / REPORT_FILE

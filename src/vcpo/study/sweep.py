@@ -1,16 +1,9 @@
-"""`vcpo sweep`: a grid of (arm x staleness k x seed) runs in deterministic-lag mode, each cell one
-`vcpo train` subprocess, a bounded number at a time, resumable (a cell with summary.json is skipped).
+"""`vcpo sweep`: a grid of (warm start x seed x arm x staleness k) runs in deterministic-lag mode, each cell one
+`vcpo train` subprocess, a bounded number at a time, resumable (a cell with summary.json is skipped), each cell
+recording its provenance (commit, dirty flag, warm-start hash, metrics digest) in cell.json.
 
-Grid sizes, measured on the 2-core development machine (one torch thread per cell, two cells at a time):
-a step costs about 0.15 s (grpo) to 0.25-0.4 s (vcpo with OPOB, including evaluations); lagged mode
-generates k+1 batches before the first step (0.05-0.1 s each, so about 13 s at k=128); start-up and the
-initial evaluation add about 10 s per cell.
-- FULL: 9 arms x 5 k x 2 seeds = 90 cells; 2 workers -> 45 cell slots; 2 hours = 7200 s -> 160 s per slot.
-  At 300 steps: 300 x 0.4 s = 120 s + 10 s start + up to 13 s prefill = 143 s worst case (vcpo, k=128),
-  about 60-80 s for the clipped baselines, so about 45 x 110 s = 5000 s (1.4 h) expected, < 2 h worst case.
-- QUICK: 5 arms x 3 k x 1 seed = 15 cells; 2 workers -> 8 slots; 10 min = 600 s -> 75 s per slot.
-  At 60 steps: 60 x 0.4 s = 24 s + 10 s start + 4 s prefill = 38 s per slot, about 5 minutes in all.
-An interrupted cell is rerun from its start (cells are short; its partial run directory is overwritten).
+The grids and their costs are in :mod:`vcpo.study.grids`. An interrupted cell is rerun from its start (cells are
+short; its partial run directory is overwritten).
 """
 
 from __future__ import annotations
@@ -28,50 +21,40 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-GRPO_ADV = "advantage.estimator=grpo"
-NO_ESS_LR = "trainer.ess_lr.enabled=false"
-ESS_LR = "trainer.ess_lr.enabled=true"
+from vcpo.metrics import read_metrics
+from vcpo.study.grids import ARMS, WarmStartPin
+from vcpo.study.provenance import (
+    ProvenanceError,
+    git_state,
+    metrics_digest,
+    read_cell_record,
+    warm_start_hash,
+    write_cell_record,
+)
 
-ARMS: dict[str, tuple[str, ...]] = {
-    "grpo": ("objective.name=grpo", GRPO_ADV, NO_ESS_LR),
-    "tis_seq": ("objective.name=tis", "objective.kwargs.level=sequence", "objective.kwargs.cap=8", GRPO_ADV, NO_ESS_LR),
-    "icepop": ("objective.name=icepop", GRPO_ADV, NO_ESS_LR),
-    "m2po": ("objective.name=m2po", GRPO_ADV, NO_ESS_LR),
-    "vespo": ("objective.name=vespo", GRPO_ADV, NO_ESS_LR),
-    "gspo": ("objective.name=gspo", GRPO_ADV, NO_ESS_LR),
-    "vcpo": ("objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=fast", ESS_LR),
-    "vcpo_ess_only": ("objective.name=vcpo", GRPO_ADV, ESS_LR),
-    "vcpo_opob_only": ("objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=fast", NO_ESS_LR),
-}
-"""Each arm: the dotted overrides (as `vcpo train` takes them) that turn the base config into that method."""
-
-# The study's lr: probes at 3e-4 (nothing collapses in 200 steps), 5e-4 (k=0 barely learns, k=64 grpo collapses)
-# and 7e-4 / 1e-3 (even k=0 degrades) put it at 4e-4; see benchmarks/staleness/.
-FULL_GRID = {"arms": list(ARMS), "ks": [0, 4, 16, 64, 128], "seeds": [0, 1],
-             "overrides": ["trainer.lr=4e-4", "trainer.max_steps=300", "trainer.eval_every=25", "task.eval_size=200"]}
-QUICK_GRID = {"arms": ["grpo", "tis_seq", "vcpo", "vcpo_ess_only", "vcpo_opob_only"], "ks": [0, 8, 32], "seeds": [0],
-              "overrides": ["trainer.max_steps=60", "trainer.eval_every=10", "task.eval_size=200"]}
 SWEEP_FILE = "sweep.json"
 RESULTS_FILE = "results.jsonl"
 ERROR_FILE = "error.txt"
 
 
 class SweepError(ValueError):
-    """A user-fixable problem with a sweep request (unknown arm, bad k); the message is one line."""
+    """A user-fixable problem with a sweep request (unknown arm, bad k, a changed warm start); one line."""
 
 
 @dataclass(frozen=True)
 class Cell:
-    """One run of the grid: an arm at staleness k with a seed, in its own run directory."""
+    """One run of the grid: an arm at staleness k with a seed (and a pinned warm start), in its own directory."""
 
     arm: str
     k: int
     seed: int
     run_dir: Path
+    warm_start: str | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.arm}_k{self.k}_s{self.seed}"
+        middle = f"_{self.warm_start}" if self.warm_start else ""
+        return f"{self.arm}_k{self.k}{middle}_s{self.seed}"
 
 
 CellRunner = Callable[[Cell, list[str]], tuple[int, str]]
@@ -88,9 +71,10 @@ def run_subprocess(cell: Cell, argv: list[str]) -> tuple[int, str]:
     return proc.returncode, proc.stderr[-4000:]
 
 
-def cell_argv(base_config: Path, cell: Cell, overrides: list[str]) -> list[str]:
+def cell_argv(base_config: Path, cell: Cell, overrides: list[str], model_path: Path | None = None) -> list[str]:
     """The `vcpo train` command of a cell: base config, sweep-wide overrides, the arm, then the cell's own keys."""
-    return [sys.executable, "-m", "vcpo.cli", "train", "-c", str(base_config), *overrides, *ARMS[cell.arm],
+    model = [f"model.path={model_path}"] if model_path is not None else []
+    return [sys.executable, "-m", "vcpo.cli", "train", "-c", str(base_config), *overrides, *ARMS[cell.arm], *model,
             "async.mode=lagged", f"async.max_staleness={cell.k}", f"seed={cell.seed}", f"run_dir={cell.run_dir}",
             "logging.progress=false", "runtime.torch_threads=1"]
 
@@ -105,17 +89,50 @@ def _check_grid(arms: list[str], ks: list[int], seeds: list[int]) -> None:
         raise SweepError(f"staleness k must be >= 0, got {min(ks)}")
 
 
-def prepare_warm_starts(base_config: Path, overrides: list[str], seeds: list[int]) -> None:
+def pinned_warm_starts(pins: dict[str, WarmStartPin], task: dict[str, Any]) -> dict[str, Path]:
+    """Each pinned warm start's directory, after checking it exists, hashes as pinned and was trained on ``task``
+    (``{"name", "kwargs"}``, compared with the ``task`` its ``sft.json`` records)."""
+    paths = {}
+    for ws, pin in pins.items():
+        path = Path(pin.path).resolve()
+        try:
+            found = warm_start_hash(path)
+        except ProvenanceError:
+            raise SweepError(f"warm start {ws!r}: no model at {pin.path!r} (run vcpo sweep from the repository "
+                             "root)") from None
+        if found != pin.sha:
+            raise SweepError(f"warm start {ws!r} at {pin.path!r} hashes to {found}, the grid pins {pin.sha}: the "
+                             "committed model changed")
+        recipe = json.loads((path / "sft.json").read_text()).get("task") if (path / "sft.json").is_file() else None
+        if recipe is not None and recipe != task:
+            raise SweepError(f"warm start {ws!r} was trained on task {recipe}, but the config's task is {task}")
+        paths[ws] = path
+    return paths
+
+
+def prepare_warm_starts(base_config: Path, overrides: list[str], seeds: list[int]) -> dict[int, Path]:
     """Build each seed's cached warm-started model once, here, so parallel cells never race to build it."""
     import torch
 
     from vcpo.config import load_config
     from vcpo.train.sft import warm_start
 
+    paths = {}
     for seed in seeds:
         config = load_config(base_config, [*overrides, f"seed={seed}", "logging.progress=false"])
         torch.set_num_threads(config.runtime.torch_threads)
-        warm_start(config)
+        paths[seed] = warm_start(config)
+    return paths
+
+
+def _refuse_changed_warm_starts(cells: list[Cell], hashes: dict[str, str]) -> None:
+    """A resumed sweep must not mix finished cells of one warm-start id trained from different models."""
+    for cell in cells:
+        record = read_cell_record(cell.run_dir) if (cell.run_dir / "summary.json").is_file() else None
+        ws = (record or {}).get("warm_start") or {}
+        if ws.get("id") in hashes and ws.get("hash") != hashes[ws["id"]]:
+            raise SweepError(f"cell {cell.name} was run from warm start {ws['id']!r} of hash {ws.get('hash')}, "
+                             f"now {hashes[ws['id']]}: use another --out, or delete the old cells")
 
 
 def run_sweep(
@@ -129,12 +146,15 @@ def run_sweep(
     run_cell: CellRunner = run_subprocess,
     command: str = "",
     warm_start: bool = True,
+    warm_starts: dict[str, WarmStartPin] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every unfinished cell of the grid (at most ``workers`` at once), then collect all cells.
 
-    Writes ``out_dir/sweep.json`` (command, date, machine, grid), ``out_dir/cells/ARM_kK_sS/`` per cell
-    (a failed cell gets ``error.txt`` with its stderr tail; the sweep goes on) and ``out_dir/results.jsonl``
-    (rewritten at the end, one line per cell). Returns the results lines.
+    With ``warm_starts`` every cell starts from a pinned model (``model.path``), one cell per pin x seed x arm
+    x k; without, each seed's own SFT warm start (built here unless ``warm_start`` is False, for tests).
+    Writes ``out_dir/sweep.json`` (command, date, machine, commit, grid), ``out_dir/cells/NAME/`` per cell with
+    ``cell.json`` (provenance; a failed cell also gets ``error.txt`` with its stderr tail and the sweep goes
+    on) and ``out_dir/results.jsonl`` (rewritten at the end, one line per cell). Returns the results lines.
     """
     from vcpo.config import load_config
     from vcpo.study.report import summarize_cell
@@ -145,29 +165,53 @@ def run_sweep(
     base = Path(base_config_path).resolve()
     out = Path(out_dir).resolve()
     # Children must find the parent's warm-start cache whatever their working directory.
-    cache_dir = Path(load_config(base, extra_overrides).sft.cache_dir).resolve()
-    overrides = [*(extra_overrides or []), f"sft.cache_dir={cache_dir}"]
+    config = load_config(base, extra_overrides)
+    overrides = [*(extra_overrides or []), f"sft.cache_dir={Path(config.sft.cache_dir).resolve()}"]
     for arm in arms:  # validate every arm's config now, not 40 minutes into the sweep
         load_config(base, [*overrides, *ARMS[arm], "async.mode=lagged"])
-    cells = [Cell(a, k, s, out / "cells" / f"{a}_k{k}_s{s}") for a in arms for k in ks for s in seeds]
+    pins = warm_starts or {}
+    ws_paths = pinned_warm_starts(pins, {"name": config.task.name, "kwargs": config.task.kwargs})
+    ws_hashes = {ws: pin.sha for ws, pin in pins.items()}
+    cells = [Cell(a, k, s, out / "cells" / Cell(a, k, s, Path(), ws).name, ws)
+             for ws in (list(pins) or [None]) for s in seeds for a in arms for k in ks]
+    git = git_state()
     out.mkdir(parents=True, exist_ok=True)
     (out / SWEEP_FILE).write_text(json.dumps({
         "command": command, "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": platform.node(), "cpu_count": os.cpu_count(), "base_config": str(base),
-        "grid": {"arms": arms, "ks": ks, "seeds": seeds, "overrides": overrides, "workers": workers},
+        "machine": platform.node(), "cpu_count": os.cpu_count(), "base_config": str(base), "git": git,
+        "grid": {"arms": arms, "ks": ks, "seeds": seeds, "overrides": overrides, "workers": workers,
+                 "warm_starts": {ws: {"path": pin.path, "hash": pin.sha} for ws, pin in pins.items()}},
     }, indent=2))
+    _refuse_changed_warm_starts(cells, ws_hashes)
 
-    # Seed-major order: a sweep stopped part-way has whole seeds rather than whole arms.
-    todo = sorted((c for c in cells if not (c.run_dir / "summary.json").is_file()), key=lambda c: c.seed)
-    if todo and warm_start:
-        prepare_warm_starts(base, overrides, sorted({c.seed for c in todo}))
+    # Warm-start-major, then seed-major (the list's order): a sweep stopped part-way has whole seeds.
+    todo = [c for c in cells if not (c.run_dir / "summary.json").is_file()]
+    sft_paths: dict[int, Path] = {}
+    if todo and warm_start and not pins:
+        sft_paths = prepare_warm_starts(base, overrides, sorted({c.seed for c in todo}))
+
+    def provenance(cell: Cell) -> dict[str, Any] | None:
+        if cell.warm_start is not None:
+            return {"id": cell.warm_start, "path": pins[cell.warm_start].path, "hash": ws_hashes[cell.warm_start]}
+        if cell.seed in sft_paths:
+            return {"id": f"sft-seed{cell.seed}", "path": str(sft_paths[cell.seed]),
+                    "hash": warm_start_hash(sft_paths[cell.seed])}
+        return None
 
     def one(cell: Cell) -> None:
         shutil.rmtree(cell.run_dir, ignore_errors=True)  # an interrupted cell restarts from scratch
         cell.run_dir.mkdir(parents=True, exist_ok=True)
-        status, stderr_tail = run_cell(cell, cell_argv(base, cell, overrides))
+        record = {"cell": cell.name, "arm": cell.arm, "k": cell.k, "seed": cell.seed,
+                  "warm_start": provenance(cell), "git": git, "command": command,
+                  "started": datetime.now(UTC).isoformat(timespec="seconds")}
+        write_cell_record(cell.run_dir, record)
+        argv = cell_argv(base, cell, overrides, ws_paths.get(cell.warm_start) if cell.warm_start else None)
+        status, stderr_tail = run_cell(cell, argv)
         if status != 0 or not (cell.run_dir / "summary.json").is_file():
             (cell.run_dir / ERROR_FILE).write_text(f"exit status {status}\n{stderr_tail}")
+            return
+        record["metrics_digest"] = metrics_digest(read_metrics(cell.run_dir / "metrics.jsonl"))
+        write_cell_record(cell.run_dir, record)
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(one, todo))
@@ -175,7 +219,7 @@ def run_sweep(
     results = []
     for cell in cells:
         line: dict[str, Any] = {"cell": cell.name, "arm": cell.arm, "k": cell.k, "seed": cell.seed,
-                                "run_dir": str(cell.run_dir)}
+                                "warm_start": cell.warm_start, "run_dir": str(cell.run_dir)}
         if (cell.run_dir / "summary.json").is_file():
             line |= {"status": "done"} | summarize_cell(cell.run_dir)
         else:

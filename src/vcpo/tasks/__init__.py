@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from vcpo.config import TaskConfig
-from vcpo.tasks.base import SPLITS, Task, TaskError
+from vcpo.tasks.base import SPLITS, Task, TaskError, prepare_scoring, score_completions
 from vcpo.tasks.reasoning_gym_task import ReasoningGymTask
 
 
 def make_task(config: TaskConfig) -> Task:
-    """The task a config names: ``ReasoningGymTask(config.name, **config.kwargs)``; bad settings raise TaskError."""
-    return ReasoningGymTask(config.name, **config.kwargs)
+    """The task a config names: ``ReasoningGymTask(config.name, **config.kwargs)`` with the config's reward
+    deadline and scoring workers; bad settings raise TaskError."""
+    return ReasoningGymTask(config.name, reward_timeout_s=config.reward_timeout_s,
+                            reward_workers=config.reward_workers, **config.kwargs)
 
 
-__all__ = ["SPLITS", "ReasoningGymTask", "Task", "TaskError", "make_task"]
+__all__ = ["SPLITS", "ReasoningGymTask", "Task", "TaskError", "make_task", "prepare_scoring", "score_completions"]

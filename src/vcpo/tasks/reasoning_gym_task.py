@@ -1,16 +1,17 @@
-"""Tasks from reasoning-gym: procedural problem streams scored by each dataset's own ``score_answer``."""
+"""Tasks from reasoning-gym: procedural problem streams scored by each dataset's own ``score_answer``, run in the
+sandboxed scoring pool (several scorers ``eval`` the completion or parse it with sympy)."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import hashlib
-import math
 from typing import Any
 
 import reasoning_gym
 from reasoning_gym.factory import DATASETS
 
+from vcpo.rewards.pool import RewardOutcome, ScoreRequest, shared_pool
 from vcpo.tasks.base import SPLITS, TaskError
 from vcpo.types import Problem
 
@@ -43,13 +44,16 @@ class ReasoningGymTask:
     of the prompt space (by a hash of the prompt): small arithmetic spaces repeat prompts often, and a
     repeated prompt would make held-out accuracy measure memory. The prompt is the question followed by
     ``"Answer: "`` (for :data:`EXPRESSION_ONLY` datasets just ``"<expression> = "``); the completion is the
-    bare answer text.
+    bare answer text. Rewards come from the dataset's scorer in the shared sandboxed pool of ``reward_workers``
+    processes, each completion within ``reward_timeout_s`` seconds.
     """
 
-    def __init__(self, name: str, **kwargs: Any) -> None:
+    def __init__(self, name: str, reward_timeout_s: float = 5.0, reward_workers: int = 1, **kwargs: Any) -> None:
         self.name = name
         self.kwargs = dict(kwargs)
-        self._scorer = _create(name, size=1, seed=0, kwargs=self.kwargs)
+        self.reward_timeout_s = reward_timeout_s
+        self.reward_workers = reward_workers
+        _create(name, size=1, seed=0, kwargs=self.kwargs)  # bad settings fail here, in one line
 
     def prompt(self, entry: dict[str, Any]) -> str:
         """The text the model sees for one reasoning-gym item."""
@@ -82,16 +86,25 @@ class ReasoningGymTask:
             drawn += chunk
         return out
 
-    def reward(self, problem: Problem, completion: str) -> float:
-        """The dataset's ``score_answer`` of the whitespace-stripped completion, clamped to [0, 1].
+    def score(self, problems: list[Problem], completions: list[str]) -> list[RewardOutcome]:
+        """The dataset's ``score_answer`` of each whitespace-stripped completion, clamped to [0, 1], in one batch.
 
-        A scorer that raises on malformed text (some do) scores 0: a policy's output is never an error.
+        Scored in the sandboxed pool: a scorer that raises on malformed text (some do) scores 0 as ``error``,
+        one that hangs past ``reward_timeout_s`` or crashes scores 0 as ``timeout`` / ``crash``.
         """
-        try:
-            score = float(self._scorer.score_answer(completion.strip(), problem.metadata["entry"]))
-        except Exception:
-            return 0.0
-        return min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0
+        requests = [ScoreRequest("reasoning_gym", (p.metadata["entry"],), c, setup=(self.name, self.kwargs))
+                    for p, c in zip(problems, completions, strict=True)]
+        return shared_pool(self.reward_workers).score(requests, self.reward_timeout_s)
+
+    def warm_up(self) -> None:
+        """Start the scoring workers and build this dataset's scorer in them, in the background (it imports
+        reasoning-gym there: seconds of CPU better spent while the trainer loads its model)."""
+        setup = ScoreRequest("reasoning_gym", (), "", setup=(self.name, self.kwargs))
+        shared_pool(self.reward_workers).warm_up([setup])
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """:meth:`score` of one completion."""
+        return self.score([problem], [completion])[0].reward
 
 
 def _create(name: str, size: int, seed: int, kwargs: dict[str, Any]) -> Any:

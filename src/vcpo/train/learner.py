@@ -13,18 +13,32 @@ and vespo with sequence advantages, reinforce), the final gradient is assembled 
 backward (ALGORITHMS.md §8, efficient form). Otherwise a second backward of ``sum c_it lp_it``
 supplies it. Either way G_i is computed only for the rows of groups whose rewards differ: a group of
 equal rewards has advantage 0 whatever its G_i (``opob_rows_needing_grad_norms``).
+
+With ``trainer.micro_batch_tokens`` the step runs as several forward/backward passes whose gradients sum to the
+full-batch one (vcpo.train.micro_batches); the model's device and dtype are the config's, the optimizer's
+precision policy is vcpo.train.precision's.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from vcpo.config import Config
-from vcpo.objectives import ObjectiveInputs, get_objective
+from vcpo.config import Config, ConfigError
+from vcpo.models.checkpointing import checkpointing_active, enable_activation_checkpointing
+from vcpo.objectives import (
+    ObjectiveInputs,
+    ObjectiveOutput,
+    get_objective,
+    objective_hyperparameters,
+    objective_scope,
+)
+from vcpo.train.micro_batches import WholeBatch, gather_rows, plan_micro_batches, trim_padding
+from vcpo.train.precision import LearnerOptimizer
 from vcpo.types import Batch
 from vcpo.variance import (
     compute_advantages,
@@ -36,6 +50,23 @@ from vcpo.variance import (
     trajectory_grad_sq_norms,
 )
 from vcpo.variance.ghost_norms import PerRowGradCapture, per_row_grad_capture
+from vcpo.variance.logprobs import split_head
+
+
+@dataclass
+class _Part:
+    """One micro-batch's detached results, its rows of the batch in the order of its tensors."""
+
+    rows: Tensor
+    batch: Batch
+    lp_bS: Tensor
+    entropy_bS: Tensor | None
+    logw_b: Tensor
+    adv_b: Tensor
+    G_b: Tensor | None = None
+    needed_b: Tensor | None = None
+    out: ObjectiveOutput | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Learner:
@@ -45,14 +76,22 @@ class Learner:
         self.model = model
         self.config = config
         tc = config.trainer
+        self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
-        self.objective = get_objective(config.objective.name)
+        self.optimizer = LearnerOptimizer(self.params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
+        name = config.objective.name
+        self.objective = get_objective(name)
         self.objective_kwargs = dict(config.objective.kwargs)
         if config.objective.loss_agg is not None:
             self.objective_kwargs["loss_agg"] = config.objective.loss_agg
         if config.objective.max_len is not None:
             self.objective_kwargs["max_len"] = config.objective.max_len
+        self.loss_agg = self.objective_kwargs.get("loss_agg", objective_hyperparameters(name)["loss_agg"])
+        self.scope = objective_scope(name)
+        self.checkpointed = enable_activation_checkpointing(model) if tc.gradient_checkpointing else []
+        if config.model.lm_head_fp32 and split_head(model) is None:
+            raise ConfigError(f"model.lm_head_fp32: {type(model).__name__}'s logits are not a Linear head of its "
+                              "hidden states")
         self.version = 0
         self.skip_reason: str | None = None
         """Why the last step was skipped (e.g. "non-finite gradient"), None if it was taken."""
@@ -63,88 +102,154 @@ class Learner:
         ac = self.config.advantage
         return ac.estimator == "opob" and ac.grad_norm_method == "fast"
 
-    def forward(
-        self, batch: Batch, needed_B: Tensor | None = None
-    ) -> tuple[Tensor, Tensor | None, PerRowGradCapture | None]:
-        """[B, S] log-probs at the rollout temperature, their entropy, and the per-row capture (whose norms
-        cover the rows ``needed_B``, all rows if None).
+    def logprobs(self, batch: Batch, grad: bool = True, entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """[B, S] log-probs of the response tokens at the rollout temperature (the lean path on large batches,
+        activation checkpointing when configured and ``grad``).
 
         Right-padded, no position ids: the engine passes explicit positions to its left-padded rows,
-        so both see the same positions and the log-probs agree (the mismatch test). On the
-        single-backward path the log-probs are a leaf: the loss's gradient reaches the model through
-        the capture, not through autograd.
-        """
-        temperature = self.config.rollout.temperature
+        so both see the same positions and the log-probs agree (the mismatch test)."""
+        with torch.set_grad_enabled(grad), checkpointing_active(self.checkpointed if grad else []):
+            return token_logprobs(
+                self.model, batch.input_ids_BS, batch.attention_mask_BS, self.config.rollout.temperature,
+                return_entropy=entropy, positions=batch.response_mask_BS, lm_head_fp32=self.config.model.lm_head_fp32,
+            )
+
+    def forward(
+        self, batch: Batch, needed_B: Tensor | None = None, grad: bool = True
+    ) -> tuple[Tensor, Tensor | None, PerRowGradCapture | None]:
+        """[B, S] log-probs, their entropy, and the per-row capture (whose norms cover the rows ``needed_B``, all
+        rows if None). On the single-backward path the log-probs are a leaf: the loss's gradient reaches the model
+        through the capture, not through autograd."""
         if self.single_backward:
             _, capture = per_row_grad_capture(
-                self.model, batch.input_ids_BS, batch.response_mask_BS, batch.attention_mask_BS, temperature,
-                rows=needed_B,
+                self.model, batch.input_ids_BS, batch.response_mask_BS, batch.attention_mask_BS,
+                self.config.rollout.temperature, rows=needed_B, lm_head_fp32=self.config.model.lm_head_fp32,
             )
-            return capture.logprobs_BT.detach().clone().requires_grad_(), None, capture
-        lp_BS, entropy_BS = token_logprobs(
-            self.model, batch.input_ids_BS, batch.attention_mask_BS, temperature=temperature, return_entropy=True
-        )
+            return capture.logprobs_BT.detach().clone().requires_grad_(grad), None, capture
+        lp_BS, entropy_BS = self.logprobs(batch, grad=grad, entropy=True)
         return lp_BS, entropy_BS, None
 
-    def advantages(
-        self, batch: Batch, logw_B: Tensor, capture: PerRowGradCapture | None = None, needed_B: Tensor | None = None
+    def grad_sq_norms(
+        self, batch: Batch, needed_B: Tensor, capture: PerRowGradCapture | None
     ) -> tuple[Tensor, dict[str, float]]:
-        """Per-sequence advantages by the configured estimator, with OPOB's inputs when it is chosen
-        (norms for the rows ``needed_B``, by default ``opob_rows_needing_grad_norms``)."""
-        ac = self.config.advantage
-        lengths_B = batch.response_mask_BS.sum(1)
-        if ac.estimator != "opob":
-            adv = compute_advantages(ac.estimator, batch.rewards_B, batch.group_ids_B, lengths=lengths_B)
-            return adv, {}
-        metrics: dict[str, float] = {}
-        if needed_B is None:
-            needed_B = opob_rows_needing_grad_norms(batch.rewards_B, batch.group_ids_B)
-        if capture is not None:  # computed by the forward's capture
-            G_B = capture.sq_norms(needed_B)
-        else:
-            t0 = time.perf_counter()
-            G_B = torch.zeros(needed_B.shape, dtype=torch.float64, device=needed_B.device)
-            if bool(needed_B.any()):
-                G_B[needed_B] = trajectory_grad_sq_norms(
-                    self.model, batch.input_ids_BS[needed_B], batch.response_mask_BS[needed_B],
-                    batch.attention_mask_BS[needed_B], method=ac.grad_norm_method,
-                ).to(G_B.dtype)
-            metrics["time/grad_norms_s"] = time.perf_counter() - t0
-        adv = compute_advantages(
-            "opob", batch.rewards_B, batch.group_ids_B, logw=logw_B, grad_sq_norms=G_B,
-            weighting=ac.opob_weighting,
-        )
-        metrics["opob/grad_norm_rows_frac"] = float(needed_B.float().mean())
-        if bool(needed_B.any()):  # G of the rows that have one
-            metrics["opob/grad_sq_norm_mean"] = float(G_B[needed_B].mean())
-        return adv, metrics
+        """OPOB's G for the rows ``needed_B`` (0 elsewhere): from the capture, else by the configured method."""
+        if capture is not None:
+            return capture.sq_norms(needed_B), {}
+        t0 = time.perf_counter()
+        G_B = torch.zeros(needed_B.shape, dtype=torch.float64, device=needed_B.device)
+        if bool(needed_B.any()):
+            G_B[needed_B] = trajectory_grad_sq_norms(
+                self.model, batch.input_ids_BS[needed_B], batch.response_mask_BS[needed_B],
+                batch.attention_mask_BS[needed_B], method=self.config.advantage.grad_norm_method,
+            ).to(G_B.dtype)
+        return G_B, {"time/grad_norms_s": time.perf_counter() - t0}
 
-    def backward(self, batch: Batch) -> dict[str, float]:
-        """Put grad_theta of the objective on ``batch`` into ``.grad``; returns the metrics so far."""
-        # Eval mode: no dropout, so the recomputed log-probs are those of the policy that samples.
-        self.model.eval()
+    def part(
+        self, batch: Batch, rows: Tensor, adv_B: Tensor | None, backward: bool, whole: WholeBatch | None = None
+    ) -> _Part:
+        """Log-probs, log-weights and advantages of one micro-batch (rows ``rows`` of the step's batch); with
+        ``backward``, also the objective on it and the gradient of its loss, scaled to its share of the ``whole``
+        batch's loss (unscaled without ``whole``), added to the gradients."""
+        ac = self.config.advantage
         needed_B = None
-        if self.config.advantage.estimator == "opob":
+        if ac.estimator == "opob":
             needed_B = opob_rows_needing_grad_norms(batch.rewards_B, batch.group_ids_B)
             # The fast norms read the rows that need them as views if they come first (order is immaterial:
             # every per-row quantity stays with its row and the loss and metrics are sums and quantiles).
             if self.single_backward and bool((needed_B[1:] & ~needed_B[:-1]).any()):
                 order = torch.argsort((~needed_B).to(torch.int8), stable=True)
-                batch, needed_B = batch.rows(order), needed_B[order]
+                batch, needed_B, rows = batch.rows(order), needed_B[order], rows[order]
         mask_BS = batch.response_mask_BS
-        lp_BS, entropy_BS, capture = self.forward(batch, needed_B)
+        lp_BS, entropy_BS, capture = self.forward(batch, needed_B, grad=backward)
         logw_B = sequence_log_weights(lp_BS, batch.behavior_logprobs_BS, mask_BS)
-        adv_B, metrics = self.advantages(batch, logw_B, capture, needed_B)
-        inputs = ObjectiveInputs(
-            logprobs=lp_BS, behavior_logprobs=batch.behavior_logprobs_BS, advantages=adv_B, mask=mask_BS,
-            rewards=batch.rewards_B, group_ids=batch.group_ids_B,
-        )
-        out = self.objective(inputs, **self.objective_kwargs)
-        self.optimizer.zero_grad(set_to_none=True)
+        result = _Part(rows, batch, lp_BS.detach(), entropy_BS, logw_B.detach(), adv_B)
+        if needed_B is not None:
+            G_B, result.metrics = self.grad_sq_norms(batch, needed_B, capture)
+            result.adv_b = compute_advantages("opob", batch.rewards_B, batch.group_ids_B, logw=logw_B,
+                                              grad_sq_norms=G_B, weighting=ac.opob_weighting)
+            result.G_b, result.needed_b = G_B, needed_B
+        if not backward:
+            return result
+        result.out = self.objective(self.inputs(batch, lp_BS, result.adv_b), **self.objective_kwargs)
+        loss = result.out.loss if whole is None else result.out.loss * whole.loss_scale(mask_BS)
         if capture is None:
-            out.loss.backward()
+            loss.backward()
         else:
-            metrics["opob/second_backward"] = float(self.assemble_grad(out.loss, lp_BS, capture, batch))
+            result.metrics["opob/second_backward"] = float(self.assemble_grad(loss, lp_BS, capture, batch))
+        self.optimizer.accumulate()
+        return result
+
+    def inputs(self, batch: Batch, lp_BS: Tensor, adv_B: Tensor) -> ObjectiveInputs:
+        return ObjectiveInputs(
+            logprobs=lp_BS, behavior_logprobs=batch.behavior_logprobs_BS, advantages=adv_B,
+            mask=batch.response_mask_BS, rewards=batch.rewards_B, group_ids=batch.group_ids_B,
+        )
+
+    def backward(self, batch: Batch) -> dict[str, float]:
+        """Put grad_theta of the objective on ``batch`` into the gradients; returns the metrics so far."""
+        # Eval mode: no dropout, so the recomputed log-probs are those of the policy that samples.
+        self.model.eval()
+        batch = batch.to(self.device)
+        self.optimizer.zero_grad()
+        ac = self.config.advantage
+        keep_groups = ac.estimator == "opob" or self.scope != "row"
+        plan = plan_micro_batches(batch.attention_mask_BS.sum(1), batch.group_ids_B,
+                                  self.config.trainer.micro_batch_tokens, keep_groups)
+        adv_B = None
+        if ac.estimator != "opob":
+            adv_B = compute_advantages(ac.estimator, batch.rewards_B, batch.group_ids_B,
+                                       lengths=batch.response_mask_BS.sum(1))
+        if len(plan) == 1:  # the single pass: the batch as it is
+            part = self.part(batch, plan[0], adv_B, backward=True)
+            return self.metrics(part.batch, [part], part.out)
+        if self.scope == "batch":
+            parts, out = self.two_pass(batch, plan, adv_B)
+            return self.metrics(batch, parts, out)
+        whole = WholeBatch.of(batch.response_mask_BS, self.loss_agg)
+        parts = [self.part(trim_padding(batch.rows(rows)), rows, _rows_of(adv_B, rows), True, whole) for rows in plan]
+        return self.metrics(batch, parts, None)
+
+    def two_pass(self, batch: Batch, plan: list[Tensor], adv_B: Tensor | None) -> tuple[list[_Part], ObjectiveOutput]:
+        """A batch-coupled objective over micro-batches: the objective once on the whole batch's detached log-probs
+        gives ``coef = dL/dlp``; each micro-batch then backpropagates ``sum coef * lp`` (exact for any objective)."""
+        parts = [self.part(trim_padding(batch.rows(rows)), rows, _rows_of(adv_B, rows), False) for rows in plan]
+        B, S = batch.input_ids_BS.shape
+        lp_leaf_BS = gather_rows([(p.rows, p.lp_bS) for p in parts], B, S).requires_grad_()
+        out = self.objective(self.inputs(batch, lp_leaf_BS, gather_rows([(p.rows, p.adv_b) for p in parts], B)),
+                             **self.objective_kwargs)
+        (coef_BS,) = torch.autograd.grad(out.loss, lp_leaf_BS)
+        coef_BS = torch.where(batch.response_mask_BS.bool(), coef_BS, torch.zeros_like(coef_BS))
+        for p in parts:
+            lp_bS = self.logprobs(p.batch)
+            (coef_BS[p.rows, : lp_bS.shape[1]] * lp_bS).sum().backward()
+            self.optimizer.accumulate()
+        if self.single_backward:  # the captures gave the norms only
+            parts[0].metrics["opob/second_backward"] = 1.0
+        return parts, out
+
+    def metrics(self, batch: Batch, parts: list[_Part], out: ObjectiveOutput | None) -> dict[str, float]:
+        """The step's metrics over the whole ``batch`` (whose rows the parts' ``rows`` index)."""
+        B, S = batch.input_ids_BS.shape
+        widths = {"lp_bS": S, "entropy_bS": S, "logw_b": None, "adv_b": None, "G_b": None, "needed_b": None}
+        if len(parts) == 1:
+            t = {name: getattr(parts[0], name) for name in widths}
+        else:
+            t = {name: None if getattr(parts[0], name) is None else
+                 gather_rows([(p.rows, getattr(p, name)) for p in parts], B, width) for name, width in widths.items()}
+        lp_BS, entropy_BS, logw_B, adv_B = t["lp_bS"], t["entropy_bS"], t["logw_b"], t["adv_b"]
+        if out is None:  # the objective's diagnostics of the whole batch (no model involved)
+            out = self.objective(self.inputs(batch, lp_BS, adv_B), **self.objective_kwargs)
+        metrics: dict[str, float] = {}
+        for p in parts:  # times add up; opob/second_backward is 1 if any part ran one
+            for key, value in p.metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + value if key.startswith("time/") else max(
+                    metrics.get(key, value), value)
+        needed_B = t["needed_b"]
+        if needed_B is not None:
+            metrics["opob/grad_norm_rows_frac"] = float(needed_B.float().mean())
+            if bool(needed_B.any()):  # G of the rows that have one
+                metrics["opob/grad_sq_norm_mean"] = float(t["G_b"][needed_B].mean())
+        mask_BS = batch.response_mask_BS
         nonempty_B = mask_BS.sum(1) > 0
         m = mask_BS.bool()
         metrics |= out.metrics
@@ -152,6 +257,11 @@ class Learner:
         metrics["adv/abs_mean"] = float(adv_B.abs().mean())
         if entropy_BS is not None and bool(m.any()):
             metrics["entropy/mean"] = float(entropy_BS[m].mean())
+        current = m & (batch.versions_BS == self.version)  # sampled at the weights the learner has now
+        if bool(current.any()):
+            gap = (lp_BS - batch.behavior_logprobs_BS).abs()[current]
+            metrics["mismatch/logprob_abs_max"] = float(gap.max())
+            metrics["mismatch/logprob_abs_mean"] = float(gap.mean())
         return metrics
 
     def step(self, batch: Batch) -> dict[str, float]:
@@ -164,7 +274,7 @@ class Learner:
         tc = self.config.trainer
         if bool(torch.isfinite(batch.behavior_logprobs_BS[batch.response_mask_BS.bool()]).all()):
             metrics = self.backward(batch)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, tc.grad_clip))
+            grad_norm = self.optimizer.clip_grad_norm(tc.grad_clip)
             self.skip_reason = next((f"non-finite {name}" for name, value in (
                 ("loss", metrics["loss/value"]), ("ESS", metrics["ess/ratio"]), ("gradient", grad_norm))
                 if not math.isfinite(value)), None)
@@ -180,7 +290,7 @@ class Learner:
             self.optimizer.step()
         for group in self.optimizer.param_groups:
             group["lr"] = tc.lr
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         self.version += 1
         return metrics | {
             "grad_norm": grad_norm,
@@ -205,7 +315,9 @@ class Learner:
         if float(spread) <= 1e-6 * max(float(row_coef_B.abs().max()), 1e-30):
             capture.accumulate_grad(row_coef_B)
             return False
-        lp_BS = token_logprobs(self.model, batch.input_ids_BS, batch.attention_mask_BS,
-                               temperature=self.config.rollout.temperature)
-        (coef_BS * lp_BS).sum().backward()
+        (coef_BS * self.logprobs(batch)).sum().backward()
         return True
+
+
+def _rows_of(values_B: Tensor | None, rows: Tensor) -> Tensor | None:
+    return None if values_B is None else values_B[rows]

@@ -23,7 +23,8 @@ from vcpo.config import Config
 from vcpo.models import default as default_model
 from vcpo.models.loading import load_policy
 from vcpo.rollout.engine import HFRolloutEngine
-from vcpo.tasks import Task, make_task
+from vcpo.runtime import resolve_device
+from vcpo.tasks import Task, make_task, score_completions
 from vcpo.types import Problem, SamplingParams
 
 FORMAT_VERSION = 1  # bump when the model, tokenizer, prompt format or training recipe changes
@@ -31,6 +32,11 @@ IGNORE_INDEX = -100  # label of prompt and padding positions: no loss there
 SUMMARY_FILE = "sft.json"
 
 console = Console()
+
+
+def sft_seed(config: Config) -> int:
+    """The seed of the warm start: ``sft.seed``, or the run's ``seed`` when that is unset."""
+    return config.seed if config.sft.seed is None else config.sft.seed
 
 
 def cache_key(config: Config) -> str:
@@ -42,7 +48,7 @@ def cache_key(config: Config) -> str:
         "steps": config.sft.steps,
         "batch_size": config.sft.batch_size,
         "lr": config.sft.lr,
-        "seed": config.seed,
+        "seed": sft_seed(config),
         "architecture": [
             default_model.HIDDEN_SIZE,
             default_model.NUM_LAYERS,
@@ -90,17 +96,22 @@ def warm_start(config: Config) -> Path:
 
 def _build_and_train(config: Config, task: Task, out_dir: Path, say: Any) -> dict[str, Any]:
     """Build the default model in ``out_dir``, fine-tune and save it there; returns a summary for ``sft.json``."""
-    default_model.build_default_model(task, config.seed, out_dir)
-    model, tokenizer = load_policy(out_dir)
+    seed = sft_seed(config)
+    default_model.build_default_model(task, seed, out_dir)
+    model, tokenizer = load_policy(out_dir, device=resolve_device(config.model.device))
     start = time.perf_counter()
-    problems = task.problems("train", config.sft.steps * config.sft.batch_size, config.seed)
-    train_sft(model, tokenizer, problems, config.sft.steps, config.sft.batch_size, config.sft.lr, say)
+    problems = task.problems("train", config.sft.steps * config.sft.batch_size, seed)
+    losses = train_sft(model, tokenizer, problems, config.sft.steps, config.sft.batch_size, config.sft.lr, say)
     train_s = time.perf_counter() - start
-    eval_problems = task.problems("eval", config.task.eval_size, config.seed)
+    eval_problems = task.problems("eval", config.task.eval_size, seed)
     accuracy = evaluate_accuracy(model, tokenizer, task, eval_problems, config.rollout.max_new_tokens)
     say(f"[green]sft[/green] {train_s:.1f}s, greedy accuracy {accuracy:.3f} on {len(eval_problems)} eval problems")
     model.save_pretrained(out_dir, safe_serialization=True)
-    return {"eval_accuracy": accuracy, "train_s": round(train_s, 2), **config.sft.model_dump(exclude={"cache_dir"})}
+    # The recipe, so a pinned copy of this directory says what built it (and `vcpo sweep` can check the task).
+    return {"eval_accuracy": accuracy, "eval_size": len(eval_problems), "train_s": round(train_s, 2),
+            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+            **config.sft.model_dump(exclude={"cache_dir"}), "seed": seed,
+            "task": {"name": config.task.name, "kwargs": config.task.kwargs}}
 
 
 def train_sft(
@@ -118,8 +129,9 @@ def train_sft(
     over the first 5% of steps, then constant. Constant rather than annealed on purpose: annealing to
     zero settles the model into a sharp minimum where every RL step hurts (measured on the default model:
     one policy-gradient step of L2 norm 0.03 cut greedy accuracy from 0.30 to 0.22 after cosine SFT).
-    Returns the loss of every step.
+    Returns the loss of every step. Runs on the model's device.
     """
+    device = next(model.parameters()).device
     warmup = max(1, steps // 20)
 
     def schedule(step: int) -> float:
@@ -133,7 +145,7 @@ def train_sft(
     start = time.perf_counter()
     for step in range(steps):
         chunk = problems[step * batch_size : (step + 1) * batch_size]
-        input_ids_BS, attention_mask_BS, labels_BS = _teacher_forcing_batch(tokenizer, chunk)
+        input_ids_BS, attention_mask_BS, labels_BS = (t.to(device) for t in _teacher_forcing_batch(tokenizer, chunk))
         loss = model(input_ids=input_ids_BS, attention_mask=attention_mask_BS, labels=labels_BS).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -168,19 +180,24 @@ def _teacher_forcing_batch(tokenizer: Any, problems: list[Problem]) -> tuple[tor
 
 
 @torch.no_grad()
-def greedy_completions(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int) -> list[str]:
+def greedy_completions(
+    model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, lm_head_fp32: bool = False
+) -> list[str]:
     """Greedy completions of ``prompts``, each cut at its first EOS, decoded by the rollout engine
     (one decode path for training and evaluation)."""
-    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                             lm_head_fp32=lm_head_fp32)
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     generations = engine.generate(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens), greedy=True)
     return [tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in generations]
 
 
 def evaluate_accuracy(
-    model: Any, tokenizer: Any, task: Task, problems: list[Problem], max_new_tokens: int, batch_size: int = 64
+    model: Any, tokenizer: Any, task: Task, problems: list[Problem], max_new_tokens: int, batch_size: int = 64,
+    lm_head_fp32: bool = False,
 ) -> float:
-    """Greedy accuracy: the fraction of ``problems`` whose greedy completion gets reward exactly 1.0.
+    """Greedy accuracy: the fraction of ``problems`` whose greedy completion gets reward exactly 1.0
+    (``lm_head_fp32``: the logits in float32, as in training with that option).
 
     Partial credit (some reasoning-gym scorers give it) does not count as correct here.
     """
@@ -191,7 +208,7 @@ def evaluate_accuracy(
     correct = 0
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
-        completions = greedy_completions(model, tokenizer, [p.prompt for p in chunk], max_new_tokens)
-        correct += sum(task.reward(p, c) == 1.0 for p, c in zip(chunk, completions, strict=True))
+        completions = greedy_completions(model, tokenizer, [p.prompt for p in chunk], max_new_tokens, lm_head_fp32)
+        correct += sum(o.reward == 1.0 for o in score_completions(task, chunk, completions))
     model.train(was_training)
     return correct / len(problems)

@@ -28,8 +28,8 @@ from vcpo.models.loading import load_policy
 from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, RolloutSource, SyncSource
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
-from vcpo.runtime import configure_cpu
-from vcpo.tasks import make_task
+from vcpo.runtime import configure_cpu, resolve_device
+from vcpo.tasks import make_task, prepare_scoring
 from vcpo.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, set_aside
 from vcpo.train.health import RunHealth
 from vcpo.train.learner import Learner
@@ -48,7 +48,9 @@ def seed_everything(seed: int) -> None:
 
 
 def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[str, float]:
-    """Reward, group-variance and length statistics of the trajectories a step trains on."""
+    """Reward, group-variance and length statistics of the trajectories a step trains on, and how many of their
+    rewards are zeros the scorer forced: ``reward/errors`` (it raised or its process crashed), ``reward/timeouts``
+    (killed at ``task.reward_timeout_s``)."""
     rewards = torch.tensor([t.reward for t in trajectories])
     by_group: dict[int, list[float]] = {}
     for t in trajectories:
@@ -59,6 +61,8 @@ def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std(unbiased=False)),
         "reward/zero_var_group_frac": zero_var / max(len(by_group), 1),
+        "reward/errors": float(sum(t.reward_status in ("error", "crash") for t in trajectories)),
+        "reward/timeouts": float(sum(t.reward_status == "timeout" for t in trajectories)),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/truncated_frac": float(sum(not t.finished for t in trajectories) / len(trajectories)),
@@ -67,6 +71,19 @@ def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[
 
 
 def make_source(config: Config, learner: Learner, tokenizer, task, model_path: Path) -> RolloutSource:
+    """The run's rollout source: sync, lagged or async, wrapped in TBA's replay buffer when it is on."""
+    source = _generating_source(config, learner, tokenizer, task, model_path)
+    replay = config.async_.replay
+    if not replay.enabled:
+        return source
+    from vcpo.orchestration.replay import ReplayBuffer, ReplaySource
+
+    buffer = ReplayBuffer(replay.capacity, replay.recent_fraction, replay.priority_inv_temp, replay.max_uses,
+                          max_age=config.async_.max_staleness, seed=config.seed)
+    return ReplaySource(source, buffer, replay.groups_per_step or config.rollout.prompts_per_step)
+
+
+def _generating_source(config: Config, learner: Learner, tokenizer, task, model_path: Path) -> RolloutSource:
     rc = config.rollout
     sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens)
     mode = config.async_.mode
@@ -74,21 +91,24 @@ def make_source(config: Config, learner: Learner, tokenizer, task, model_path: P
         from vcpo.orchestration.async_local import AsyncSource, WorkerSpec
 
         spec = WorkerSpec(
-            worker_id=0, model_path=str(model_path), dtype=config.model.dtype, task_name=config.task.name,
+            worker_id=0, model_path=str(model_path), dtype=config.model.dtype, device=str(learner.device),
+            lm_head_fp32=config.model.lm_head_fp32, task_name=config.task.name,
             task_kwargs=dict(config.task.kwargs), seed=config.seed, prompts_per_step=rc.prompts_per_step,
             group_size=rc.group_size, sampling=sampling, inflight_updates=config.async_.inflight_updates,
-            torch_threads=config.runtime.torch_threads, parent_pid=os.getpid(),
+            torch_threads=config.runtime.torch_threads, reward_timeout_s=config.task.reward_timeout_s,
+            reward_workers=config.task.reward_workers, parent_pid=os.getpid(),
             handoff_timeout_s=config.async_.handoff_timeout_s,
         )
         ac = config.async_
-        return AsyncSource(learner.model, spec, ac.num_workers, ac.max_staleness, ac.drop_older_than,
+        return AsyncSource(learner.model, spec, ac.num_workers, ac.generation_bound(), ac.drop_older_than,
                            start_version=learner.version, max_restarts=ac.max_worker_restarts)
-    engine = HFRolloutEngine(learner.model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    engine = HFRolloutEngine(learner.model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                             lm_head_fp32=config.model.lm_head_fp32)
     ctx = RolloutContext(tokenizer, task, ProblemStream(task, config.seed, rc.prompts_per_step), sampling,
                          rc.group_size, config.seed)
     if mode == "sync":
         return SyncSource(engine, ctx)
-    return LaggedSource(engine, ctx, config.async_.max_staleness)
+    return LaggedSource(engine, ctx, config.async_.generation_bound())
 
 
 def _progress(enabled: bool) -> Progress:
@@ -135,11 +155,13 @@ def train(config: Config, resume: bool = False, signals: StopSignals | None = No
         try:
             with signals.interruptible():  # nothing is written yet: a signal may end the start at once
                 configure_cpu(config.runtime.torch_threads)
+                device = resolve_device(config.model.device)
                 run = RunDirectory(config.run_dir, resume)
                 seed_everything(config.seed)
-                model_path = warm_start(config)
-                model, tokenizer = load_policy(model_path, config.model.dtype)
                 task = make_task(config.task)
+                prepare_scoring(task)  # the sandboxed scorer starts while the model loads
+                model_path = warm_start(config)
+                model, tokenizer = load_policy(model_path, config.model.dtype, device)
                 learner = Learner(model, config)
                 state, ckpt = restore(run.path, learner) if resume else ({}, None)
                 eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
@@ -179,7 +201,7 @@ class _Job:
 
     def evaluate(self) -> float:
         return evaluate_accuracy(self.learner.model, self.tokenizer, self.task, self.eval_problems,
-                                 self.config.rollout.max_new_tokens)
+                                 self.config.rollout.max_new_tokens, lm_head_fp32=self.config.model.lm_head_fp32)
 
     def run(self, model_path: Path) -> dict[str, Any]:
         try:
@@ -225,7 +247,8 @@ class _Job:
     def loop(self, logger: MetricsLogger, bar: Progress) -> None:
         tc, learner = self.config.trainer, self.learner
         task_id = bar.add_task("train", total=tc.max_steps, completed=learner.version, info="")
-        while learner.version < tc.max_steps:
+        last = False
+        while not last and learner.version < tc.max_steps:
             if self.signals.signum is not None:
                 raise StopRequested
             t0 = time.perf_counter()
@@ -239,7 +262,9 @@ class _Job:
             metrics |= self.source.metrics()
             self.health.record(metrics)
             step = learner.version
-            if step == tc.max_steps or (tc.eval_every and step % tc.eval_every == 0):
+            elapsed_s = time.perf_counter() - self.started
+            last = step == tc.max_steps or (tc.max_time_s is not None and elapsed_s >= tc.max_time_s)
+            if last or (tc.eval_every and step % tc.eval_every == 0):
                 self.last_accuracy = metrics["eval/accuracy"] = self.evaluate()
             if step == 1:
                 metrics["eval/accuracy_initial"] = self.initial_accuracy
@@ -254,7 +279,7 @@ class _Job:
                 raise RunFailed(
                     f"{self.health.consecutive_skipped} consecutive steps skipped (trainer.max_skipped_steps="
                     f"{tc.max_skipped_steps}), the last for a {learner.skip_reason}: lower trainer.lr{hint}")
-            if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.max_steps:
+            if tc.checkpoint_every and step % tc.checkpoint_every == 0 and not last:
                 self.checkpoint()
 
     def checkpoint(self) -> None:

@@ -11,7 +11,8 @@ from vcpo.variance.advantages import (
 )
 from vcpo.variance.baselines import OPOB_WEIGHTINGS, opob_advantages, opob_baseline, opob_rows_needing_grad_norms
 from vcpo.variance.ess import ess, ess_lr_scale, ess_ratio, sequence_log_weights
-from vcpo.variance.grad_norms import GRAD_SQ_NORM_METHODS, token_logprobs, trajectory_grad_sq_norms
+from vcpo.variance.grad_norms import GRAD_SQ_NORM_METHODS, trajectory_grad_sq_norms
+from vcpo.variance.logprobs import token_logprobs
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

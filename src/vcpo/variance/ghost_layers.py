@@ -132,6 +132,20 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     return dtype
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _matmul_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype the factors' matrix products run in: their own when all are one half-precision dtype (tensor
+    cores on a GPU; the product accumulates in float32 inside the kernel and is rounded once, as autograd's own
+    weight gradients are), else ``_compute_dtype``. Upcasting half factors would copy every activation and run
+    the products without tensor cores; what is summed from the products (Grams, norms) is summed in float32."""
+    dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+    if len(dtypes) == 1 and next(iter(dtypes)) in _HALF:
+        return dtypes.pop()
+    return _compute_dtype(*tensors)
+
+
 def call_terms(kind: str, module: nn.Module, saved: Tensor | ScaledOutput, grad_out: Tensor) -> dict[str, Term]:
     """Per-row gradient terms of one call of ``module``, by parameter attribute name (trainable ones only)."""
     B = grad_out.shape[0]
@@ -175,13 +189,15 @@ def _left_gram(left_i: Tensor, left_j: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _gram_sq_norms(terms: list[MatrixTerm], rows: slice, dtype: torch.dtype) -> Tensor:
-    """``||sum_n l_n r_n^T||^2 = sum_{n,m} (l_n . l_m)(r_n . r_m)`` per row: cost ~N^2 (rows + columns)."""
+    """``||sum_n l_n r_n^T||^2 = sum_{n,m} (l_n . l_m)(r_n . r_m)`` per row: cost ~N^2 (rows + columns).
+    Products in ``dtype``, their elementwise product and sum in at least float32."""
+    acc = _compute_dtype(*(t.right_BNC for t in terms))
     total = 0.0
     for i, ti in enumerate(terms):
         for j in range(i, len(terms)):
             tj = terms[j]
-            right = torch.bmm(ti.right_BNC[rows].to(dtype), tj.right_BNC[rows].to(dtype).transpose(1, 2))
-            pair = (_left_gram(ti.left[rows], tj.left[rows], dtype) * right).sum((1, 2))
+            right = torch.bmm(ti.right_BNC[rows].to(dtype), tj.right_BNC[rows].to(dtype).transpose(1, 2)).to(acc)
+            pair = (_left_gram(ti.left[rows], tj.left[rows], dtype).to(acc) * right).sum((1, 2))
             total = total + (pair if i == j else 2.0 * pair)
     return total
 
@@ -223,6 +239,7 @@ def sq_norms(param: nn.Parameter, terms: list[Term]) -> Tensor:
     dtype = _compute_dtype(param, *(t.right_BNC for t in terms))
     if all(t.left.dim() == 2 for t in terms):
         return _sparse_sq_norms(terms, param.shape[0], dtype).double()
+    factors = [x for t in terms for x in (t.left, t.right_BNC)]
     B, n_tokens = terms[0].right_BNC.shape[0], sum(t.right_BNC.shape[1] for t in terms)
     R, C = param.shape
     use_gram = prefer_gram(n_tokens, R, C)
@@ -232,7 +249,7 @@ def sq_norms(param: nn.Parameter, terms: list[Term]) -> Tensor:
     for start in range(0, B, step):
         rows = slice(start, min(B, start + step))
         if use_gram:
-            chunks.append(_gram_sq_norms(terms, rows, dtype))
+            chunks.append(_gram_sq_norms(terms, rows, _matmul_dtype(param, *factors)))
         else:
             chunks.append(_materialised(terms, rows, (R, C), dtype).square().sum((1, 2)))
     return torch.cat(chunks).double()
@@ -274,7 +291,8 @@ def shared_gram_sq_norms(terms: list[MatrixTerm], dtype: torch.dtype) -> Tensor:
     """[B] ``sum_terms ||sum_n l_n r_n^T||^2`` by token Grams, one Gram per distinct factor tensor.
 
     q/k/v (and gate/up) read the same input, so their input Gram is computed once and multiplied by the sum of
-    their output-gradient Grams: ``sum_p <A, G_p> = <A, sum_p G_p>``."""
+    their output-gradient Grams: ``sum_p <A, G_p> = <A, sum_p G_p>``. Grams are products in ``dtype``, held and
+    summed in at least float32."""
     B = terms[0].right_BNC.shape[0]
     n_max = max(max(t.left.shape[1], t.right_BNC.shape[1]) for t in terms)
     step = max(1, _CHUNK_ELEMENTS // (n_max * n_max))
@@ -285,7 +303,8 @@ def shared_gram_sq_norms(terms: list[MatrixTerm], dtype: torch.dtype) -> Tensor:
     for start in range(0, B, step):
         rows = slice(start, min(B, start + step))
         grams: dict[tuple, Tensor] = {}
-        total = torch.zeros(rows.stop - rows.start, dtype=dtype, device=terms[0].right_BNC.device)
+        total = torch.zeros(rows.stop - rows.start, dtype=_compute_dtype(terms[0].right_BNC),
+                            device=terms[0].right_BNC.device)
         for right, lefts in groups.values():
             left_sum = sum(_cached_gram(x, rows, dtype, grams) for x in lefts)
             total += (_cached_gram(right, rows, dtype, grams) * left_sum).sum((1, 2))
@@ -294,11 +313,12 @@ def shared_gram_sq_norms(terms: list[MatrixTerm], dtype: torch.dtype) -> Tensor:
 
 
 def _cached_gram(x: Tensor, rows: slice, dtype: torch.dtype, cache: dict[tuple, Tensor]) -> Tensor:
-    """[b, N, N] token Gram of ``x[rows]``, computed once per distinct factor tensor."""
+    """[b, N, N] token Gram of ``x[rows]`` (a product in ``dtype``, held in at least float32), computed once per
+    distinct factor tensor."""
     key = _factor_key(x)
     if key not in cache:
         xr = x[rows].to(dtype)
-        cache[key] = torch.bmm(xr, xr.transpose(1, 2))
+        cache[key] = torch.bmm(xr, xr.transpose(1, 2)).to(_compute_dtype(xr))
     return cache[key]
 
 
@@ -306,19 +326,21 @@ def shared_weighted_grads(items: list[tuple[nn.Parameter, MatrixTerm]], coef_B: 
     """``sum_b coef_b grad_b`` of each dense single-term weight, as one matmul each.
 
     The coefficients scale one factor per weight, the one cheapest per use: a factor shared by several weights
-    (the input of q/k/v) is scaled once, and otherwise the narrower one."""
+    (the input of q/k/v) is scaled once, and otherwise the narrower one. Half-precision factors are scaled in
+    float32 and rounded once, then multiplied in their own dtype."""
     keys = [(_factor_key(t.left), _factor_key(t.right_BNC)) for _, t in items]
     uses = Counter(k for pair in keys for k in pair)
     scaled: dict[tuple, Tensor] = {}
 
     def scale(x: Tensor, key: tuple, dtype: torch.dtype) -> Tensor:
         if key not in scaled:
-            scaled[key] = (coef_B.to(dtype)[:, None, None] * x.to(dtype)).reshape(-1, x.shape[-1])
+            acc = _compute_dtype(x)
+            scaled[key] = (coef_B.to(acc)[:, None, None] * x.to(acc)).to(dtype).reshape(-1, x.shape[-1])
         return scaled[key]
 
     grads = []
     for (param, t), (kl, kr) in zip(items, keys, strict=True):
-        dtype = _compute_dtype(param, t.left, t.right_BNC)
+        dtype = _matmul_dtype(param, t.left, t.right_BNC)
         scale_left = kl in scaled or (
             kr not in scaled and t.left.shape[-1] / uses[kl] < t.right_BNC.shape[-1] / uses[kr]
         )
@@ -367,7 +389,7 @@ def total_sq_norms(
     for param, terms in items:
         term = dense_single_term(param, terms)
         if term is not None and prefer_gram(term.right_BNC.shape[1], *param.shape):
-            pooled.setdefault(_compute_dtype(param, term.left, term.right_BNC), []).append(term)
+            pooled.setdefault(_matmul_dtype(param, term.left, term.right_BNC), []).append(term)
         else:
             total_B += sq_norms(param, terms)
     for dtype, terms in pooled.items():

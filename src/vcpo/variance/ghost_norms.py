@@ -27,7 +27,13 @@ from vcpo.variance.ghost_layers import (
     total_sq_norms,
     weighted_grads,
 )
-from vcpo.variance.grad_norms import _check_token_tensors, token_logprobs
+from vcpo.variance.logprobs import (
+    check_token_tensors,
+    head_logits,
+    logprobs_from_logits,
+    split_head,
+    token_logprobs,
+)
 
 
 @dataclass
@@ -134,9 +140,12 @@ def _graph_uses(root: torch.autograd.graph.Node | None) -> dict[int, int]:
 
 def _hooked_forward(
     model: nn.Module, kinds: dict[nn.Module, str], input_ids: Tensor, response_mask: Tensor,
-    attention_mask: Tensor | None, temperature: float,
+    attention_mask: Tensor | None, temperature: float, head: nn.Linear | None = None,
 ) -> tuple[Tensor, Tensor, list[_Call]]:
-    """``(sum_b score_b, logprobs_BT, calls)``: the batched forward, keeping what each hooked module call needs."""
+    """``(sum_b score_b, logprobs_BT, calls)``: the batched forward, keeping what each hooked module call needs.
+
+    With ``head`` (a float32 LM head, see ``lm_head_fp32``) the model body runs hooked and the head's logits are
+    computed in float32 here, recorded as that Linear's call."""
     B, T = input_ids.shape
     calls: list[_Call] = []
 
@@ -158,10 +167,18 @@ def _hooked_forward(
     handles = []
     try:
         for module in kinds:
-            handles.append(module.register_forward_pre_hook(expand_batch))
-            handles.append(module.register_forward_hook(keep))
+            if module is not head:
+                handles.append(module.register_forward_pre_hook(expand_batch))
+                handles.append(module.register_forward_hook(keep))
         with torch.enable_grad():
-            logp_BT = token_logprobs(model, input_ids, attention_mask, temperature)
+            if head is None:
+                logp_BT = token_logprobs(model, input_ids, attention_mask, temperature)
+            else:
+                hidden_BTD = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+                logits_BTV = head_logits(head, hidden_BTD, fp32=True)
+                saved = hidden_BTD.detach()
+                calls.append(_Call(head, kinds[head], saved, logits_BTV, (saved._version, logits_BTV._version)))
+                logp_BT = logprobs_from_logits(logits_BTV, input_ids, temperature)
             # where, not a product: log-probs at padded positions may be non-finite.
             kept_BT = torch.where(response_mask[:, 1:].bool(), logp_BT[:, 1:], torch.zeros_like(logp_BT[:, 1:]))
             return kept_BT.sum(), logp_BT.detach(), calls
@@ -193,17 +210,26 @@ def _refuse_unaccounted(score: Tensor, calls: list[_Call], params: list[nn.Param
 
 def _capture(
     model: nn.Module, params: list[nn.Parameter], input_ids: Tensor, response_mask: Tensor,
-    attention_mask: Tensor | None, temperature: float,
+    attention_mask: Tensor | None, temperature: float, lm_head_fp32: bool = False,
 ) -> PerRowGradCapture:
-    # Checkpointed layers re-run their forward inside the backward, after the hooks are gone.
-    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-        raise NotImplementedError("fast grad norms do not support gradient checkpointing; use method='exact'")
+    # Checkpointed layers re-run their forward inside the backward, after the hooks are gone (Hugging Face
+    # checkpoints a layer only in training mode).
+    if any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in model.modules()):
+        raise NotImplementedError("fast grad norms do not support active gradient checkpointing; use method='exact'")
+    head = None
+    if lm_head_fp32:  # before any hook exists: split_head runs the model once per model to check the split
+        split = split_head(model)
+        if split is None:
+            raise NotImplementedError(f"lm_head_fp32: {type(model).__name__}'s logits are not a Linear head")
+        head = split[1]
     # The plan and the graph check depend on the model's structure only: done once per model and trainable set.
     key = tuple(id(p) for p in params)
     plan = _PLANS.get(model)
     if plan is None or plan.key != key:
         plan = _PLANS[model] = _Plan(key, *_plan(model, params))
-    score, logp_BT, calls = _hooked_forward(model, plan.kinds, input_ids, response_mask, attention_mask, temperature)
+    score, logp_BT, calls = _hooked_forward(
+        model, plan.kinds, input_ids, response_mask, attention_mask, temperature, head
+    )
     _refuse_in_place(calls)
     if not plan.graph_checked:
         _refuse_unaccounted(score, calls, params, plan.names)
@@ -223,7 +249,7 @@ def _capture(
 
 def per_row_grad_capture(
     model: nn.Module, input_ids: Tensor, response_mask: Tensor, attention_mask: Tensor | None = None,
-    temperature: float = 1.0, rows: Tensor | None = None,
+    temperature: float = 1.0, rows: Tensor | None = None, lm_head_fp32: bool = False,
 ) -> tuple[Tensor, PerRowGradCapture]:
     """``(G_B, capture)`` from one batched forward and one backward, with
 
@@ -235,13 +261,16 @@ def per_row_grad_capture(
     forward's log-probs (logits divided by ``temperature``). The parameters' ``.grad`` are untouched until then.
     Supports nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm, Hugging Face RMSNorm classes and GPT-2's Conv1D;
     a trainable parameter it cannot account for raises NotImplementedError naming it. ``rows`` (a [B] bool mask
-    or indices) limits ``G_B`` to those rows, 0 elsewhere (see ``PerRowGradCapture.sq_norms``).
+    or indices) limits ``G_B`` to those rows, 0 elsewhere (see ``PerRowGradCapture.sq_norms``). ``lm_head_fp32``
+    computes the LM head's logits in float32 (``vcpo.variance.logprobs.head_logits``), as the learner's other
+    passes and the engine then do. The capture holds the [B, T, V] gradient of the logits (the LM head's
+    per-row factor): bound it with micro-batches.
     """
-    _check_token_tensors(input_ids, response_mask=response_mask, attention_mask=attention_mask)
+    check_token_tensors(input_ids, response_mask=response_mask, attention_mask=attention_mask)
     params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
     if not params:
         raise ValueError("per_row_grad_capture: the model has no trainable parameters (requires_grad)")
-    capture = _capture(model, params, input_ids, response_mask, attention_mask, temperature)
+    capture = _capture(model, params, input_ids, response_mask, attention_mask, temperature, lm_head_fp32)
     return capture.sq_norms(rows), capture
 
 

@@ -1,51 +1,14 @@
-"""Per-token log-probs of a Hugging Face causal LM and the per-trajectory squared score-gradient
-norms ``G_i`` that OPOB weights by (VCPO, arXiv 2602.17616, §8.3)."""
+"""The per-trajectory squared score-gradient norms ``G_i`` of a Hugging Face causal LM that OPOB weights by
+(VCPO, arXiv 2602.17616, §8.3): the exact reference and the dispatch to the fast method."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-def _check_token_tensors(input_ids: Tensor, **others: Tensor | None) -> None:
-    if input_ids.dim() != 2 or input_ids.numel() == 0:
-        raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got shape {tuple(input_ids.shape)}")
-    for name, t in others.items():
-        if t is not None and t.shape != input_ids.shape:
-            raise ValueError(
-                f"{name} {tuple(t.shape)} must have the shape of input_ids {tuple(input_ids.shape)}"
-            )
-
-
-def token_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, temperature: float = 1.0,
-    return_entropy: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """[B, T] ``log p_theta(input_ids[b, t] | input_ids[b, <t])`` of a Hugging Face causal LM.
-
-    The log-prob of token t comes from the logits at position t - 1; position 0 has no logits that
-    predict it and is set to 0. Logits are divided by ``temperature`` (the learner uses the rollout
-    temperature, so its log-probs are of the distribution the engine sampled). The log-softmax runs
-    in at least float32 (float64 models stay float64). Differentiable: gradients flow into the
-    model's parameters. With ``return_entropy`` also returns the detached [B, T] entropy of the
-    distribution that predicted each token (0 at position 0).
-    """
-    _check_token_tensors(input_ids, attention_mask=attention_mask)
-    logits_BTV = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    # Half-precision log-softmax over a large vocabulary loses most of a token's log-prob.
-    logits_BTV = logits_BTV[:, :-1].to(torch.promote_types(logits_BTV.dtype, torch.float32))
-    if temperature != 1.0:
-        logits_BTV = logits_BTV / temperature
-    logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
-    logp_BT = F.pad(logp_BTV.gather(-1, input_ids[:, 1:, None]).squeeze(-1), (1, 0), value=0.0)
-    if not return_entropy:
-        return logp_BT
-    with torch.no_grad():
-        entropy_BT = F.pad(-(logp_BTV.exp() * logp_BTV).sum(-1), (1, 0), value=0.0)
-    return logp_BT, entropy_BT
+from vcpo.variance.logprobs import check_token_tensors, token_logprobs
 
 
 def _squared_norm(grads: tuple[Tensor | None, ...], device: torch.device) -> Tensor:
@@ -116,7 +79,7 @@ def trajectory_grad_sq_norms(
         raise ValueError(
             f"unknown grad-norm method {method!r}; valid methods: {', '.join(sorted(GRAD_SQ_NORM_METHODS))}"
         )
-    _check_token_tensors(input_ids, response_mask=response_mask, attention_mask=attention_mask)
+    check_token_tensors(input_ids, response_mask=response_mask, attention_mask=attention_mask)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("trajectory_grad_sq_norms: the model has no trainable parameters (requires_grad)")

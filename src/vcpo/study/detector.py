@@ -1,0 +1,117 @@
+"""Early-warning rules tuned on one warm start's cells and scored on the others' (held out): a trivial baseline
+(the smoothed ESS ratio below a threshold) against a rule on the training reward's fall from its best, with
+recall, false alarms and lead time on each split.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from itertools import product
+from typing import Any
+
+from vcpo.study.collapse import evaluate_warnings
+
+MAX_FALSE_ALARM_RATE = 0.2
+"""The goal (issue 17): warn before >= 80% of collapses with false alarms in < 20% of the runs that do not."""
+EPISODE_GAP = 25
+"""A warning more than this many steps after the previous one starts a new alarm (for alarms per run)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Warn at step t (t >= ``warmup``) when every enabled condition holds over the last ``smooth`` steps:
+    - ``ess_below``: their mean ESS ratio is below it;
+    - ``reward_drop``: their mean training reward is below (1 - reward_drop) x the best such mean so far.
+    Only per-step training metrics are read, one line at a time, so the rule runs online."""
+
+    smooth: int = 10
+    ess_below: float | None = None
+    reward_drop: float | None = None
+    warmup: int = 20
+    """The lag ramps up over a stale run's first k steps; no rule fires while it does (nor in the first steps)."""
+
+    def describe(self) -> str:
+        parts = []
+        if self.ess_below is not None:
+            parts.append(f"the ESS ratio's {self.smooth}-step mean < {self.ess_below:g}")
+        if self.reward_drop is not None:
+            parts.append(f"the training reward's {self.smooth}-step mean < {1 - self.reward_drop:g} x its best so far")
+        return " and ".join(parts) + f", from step {self.warmup}"
+
+    def warning_steps(self, records: list[dict[str, Any]]) -> list[int]:
+        """Every step at which the rule warns over a run's metrics lines (in step order)."""
+        ess: list[float] = []
+        reward: list[float] = []
+        best = float("-inf")
+        steps = []
+        for record in records:
+            if not isinstance(record.get("ess/ratio"), int | float) or not isinstance(record.get("reward/mean"),
+                                                                                      int | float):
+                continue
+            ess.append(float(record["ess/ratio"]))
+            reward.append(float(record["reward/mean"]))
+            if len(reward) < self.smooth:
+                continue
+            recent_reward = statistics.fmean(reward[-self.smooth:])
+            warn = record["step"] >= self.warmup
+            if self.ess_below is not None:
+                warn &= statistics.fmean(ess[-self.smooth:]) < self.ess_below
+            if self.reward_drop is not None:
+                warn &= recent_reward < (1 - self.reward_drop) * best
+            best = max(best, recent_reward)
+            if warn:
+                steps.append(int(record["step"]))
+        return steps
+
+
+BASELINE_RULES = [Rule(smooth=s, ess_below=x) for s, x in product((1, 10, 25), (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5))]
+"""The trivial baseline: "warn when the ESS ratio is below x"."""
+REWARD_RULES = [Rule(smooth=s, reward_drop=d, ess_below=x)
+                for s, d, x in product((10, 25, 50), (0.1, 0.15, 0.2, 0.3, 0.4), (None, 0.3, 0.6))]
+"""The candidate: the training reward falls from its best (optionally while the ESS ratio is low)."""
+
+
+def score(rule: Rule, cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`evaluate_warnings` of the rule's warnings on ``cells`` (each with ``records`` and
+    ``collapse_step``), plus alarms per stable run (warnings more than EPISODE_GAP steps apart count apart)."""
+    warned = [{"collapse_step": c["collapse_step"], "warning_steps": rule.warning_steps(c["records"])} for c in cells]
+    result = evaluate_warnings(warned)
+    stable = [w["warning_steps"] for w in warned if w["collapse_step"] is None]
+    episodes = [sum(1 for i, s in enumerate(ws) if i == 0 or s - ws[i - 1] > EPISODE_GAP) for ws in stable]
+    return result | {"alarms_per_stable_run": statistics.fmean(episodes) if episodes else None}
+
+
+def preference(result: dict[str, Any]) -> tuple[float, ...]:
+    """Within the false-alarm goal, most recall, then fewest false alarms, then the longest lead; when no rule
+    meets the goal, recall minus false-alarm rate (Youden's J) first."""
+    recall, far = result["recall"] or 0.0, result["false_alarm_rate"] or 0.0
+    lead = result["median_lead_steps"] or 0.0
+    within = far < MAX_FALSE_ALARM_RATE
+    return (within, recall if within else recall - far, -far, lead)
+
+
+def tune(rules: list[Rule], cells: list[dict[str, Any]]) -> tuple[Rule, dict[str, Any]] | None:
+    """The rule ``preference`` ranks first on ``cells`` (earliest in ``rules`` on ties) and its score; None when
+    no cell collapsed (nothing to tune on)."""
+    scored = [(rule, score(rule, cells)) for rule in rules]
+    if not scored or scored[0][1]["collapsed"] == 0:
+        return None
+    return max(scored, key=lambda pair: preference(pair[1]))
+
+
+def detector_split(cells: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str] | None:
+    """(tuning cells, held-out cells, what split them): the first warm start's cells against the others'; for
+    cells without recorded warm starts, the lowest seed's against the others' (in issue 5's study every seed
+    had its own SFT warm start). When the first has no collapse to tune on, the first that has one is the
+    tuning split instead (said in the description). None when there is only one warm start and one seed."""
+    for key, label in (("warm_start", "warm start"), ("seed", "seed")):
+        values = sorted({c.get(key) for c in cells if c.get(key) is not None}, key=str)
+        if len(values) >= 2 and all(c.get(key) is not None for c in cells):
+            collapsed = {c[key] for c in cells if c["collapse_step"] is not None}
+            first = next((v for v in values if v in collapsed), values[0])
+            others = [v for v in values if v != first]
+            note = "" if first == values[0] else f" ({label} {values[0]} had no collapse to tune on)"
+            return ([c for c in cells if c[key] == first], [c for c in cells if c[key] != first],
+                    f"tuned on {label} {first}{note}, held out: {label}s {', '.join(map(str, others))}")
+    return None

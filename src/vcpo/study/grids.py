@@ -1,0 +1,70 @@
+"""The named grids of `vcpo sweep --grid NAME`: arms, staleness values, seeds, pinned warm starts, the base
+config and its overrides, with each grid's cost measured or estimated from measured per-step costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GRPO_ADV = "advantage.estimator=grpo"
+NO_ESS_LR = "trainer.ess_lr.enabled=false"
+ESS_LR = "trainer.ess_lr.enabled=true"
+
+ARMS: dict[str, tuple[str, ...]] = {
+    "grpo": ("objective.name=grpo", GRPO_ADV, NO_ESS_LR),
+    "tis_seq": ("objective.name=tis", "objective.kwargs.level=sequence", "objective.kwargs.cap=8", GRPO_ADV, NO_ESS_LR),
+    "icepop": ("objective.name=icepop", GRPO_ADV, NO_ESS_LR),
+    "m2po": ("objective.name=m2po", GRPO_ADV, NO_ESS_LR),
+    "vespo": ("objective.name=vespo", GRPO_ADV, NO_ESS_LR),
+    "gspo": ("objective.name=gspo", GRPO_ADV, NO_ESS_LR),
+    "vcpo": ("objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=fast", ESS_LR),
+    "vcpo_ess_only": ("objective.name=vcpo", GRPO_ADV, ESS_LR),
+    "vcpo_opob_only": ("objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=fast", NO_ESS_LR),
+}
+"""Each arm: the dotted overrides (as `vcpo train` takes them) that turn the base config into that method."""
+
+
+@dataclass(frozen=True)
+class WarmStartPin:
+    """A committed warm-start model directory (relative to the repository root) and its content hash
+    (:func:`vcpo.study.provenance.warm_start_hash`); a sweep refuses to run from a directory that differs."""
+
+    path: str
+    sha: str
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A named sweep: every (warm start x seed x arm x k) cell, run warm-start-major then seed-major."""
+
+    arms: list[str]
+    ks: list[int]
+    seeds: list[int]
+    overrides: list[str]
+    base_config: str
+    """Used when `vcpo sweep` gets no -c; relative to the repository root."""
+    warm_starts: dict[str, WarmStartPin] = field(default_factory=dict)
+    """Empty: each seed warm-starts from its own SFT (sft seed = RL seed), the cache as `vcpo train` does."""
+
+
+# study1 (issue 5, benchmarks/staleness/full/): the embedded default at lr 4e-4, chosen by the probes
+# probe_lr3e-4 (nothing collapses in 200 steps), probe_lr5e-4_7e-4 (k=0 barely learns, k=64 grpo collapses)
+# and probe_lr1e-3 (even k=0 degrades). 90 cells, 74 minutes with 2 workers on the 2-core VM.
+STUDY1 = Grid(arms=list(ARMS), ks=[0, 4, 16, 64, 128], seeds=[0, 1], base_config="configs/quickstart.yaml",
+              overrides=["trainer.lr=4e-4", "trainer.max_steps=300", "trainer.eval_every=25", "task.eval_size=200"])
+# quick: 15 cells of 60 steps, about 5 minutes with 2 workers.
+QUICK = Grid(arms=["grpo", "tis_seq", "vcpo", "vcpo_ess_only", "vcpo_opob_only"], ks=[0, 8, 32], seeds=[0],
+             base_config="configs/quickstart.yaml",
+             overrides=["trainer.max_steps=60", "trainer.eval_every=10", "task.eval_size=200"])
+# study2 (issue 17): sums of three 1-digit numbers (configs/staleness_study.yaml), where synchronous RL at
+# lr 3e-4 raises held-out accuracy clearly (0.422 -> 0.60, 0.294 -> 0.49-0.53 over 300 steps; the probes in
+# benchmarks/staleness/probe_study2/). 7 arms x 4 k x 4 seeds x 2 pinned warm starts = 224 cells. Measured cost:
+# 62-75 CPU-s per cell, so about 14,800 CPU-s: 2.1 hours with 2 workers on two idle cores (longer when the
+# machine is shared), resumable, in parts with --warm-starts and --seeds.
+STUDY2 = Grid(
+    arms=["grpo", "tis_seq", "icepop", "m2po", "vespo", "vcpo", "vcpo_ess_only"], ks=[0, 16, 64, 128],
+    seeds=[0, 1, 2, 3], base_config="configs/staleness_study.yaml", overrides=[],
+    warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts/w0", "fa008a17bdfd45dd"),
+                 "w1": WarmStartPin("benchmarks/staleness/warm_starts/w1", "7d3243aed6b861fe")},
+)
+GRIDS = {"study2": STUDY2, "study1": STUDY1, "quick": QUICK}
