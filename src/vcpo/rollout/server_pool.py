@@ -12,11 +12,13 @@ from typing import Any
 
 import httpx
 
+from vcpo.errors import RunFailed
 from vcpo.rollout.server_kinds import KINDS, Call, ServerResponseError
 
 
-class ServerError(RuntimeError):
-    """Rollout servers cannot serve the run (all down, or one refused a request); one line naming the server."""
+class ServerError(RunFailed):
+    """Rollout servers cannot serve the run (all down, or one refused a request); one line naming the server.
+    The trainer checkpoints its finished steps and the command exits 1."""
 
 
 class ServerDown(ServerError):
