@@ -194,7 +194,9 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
                 elapsed_s = time.perf_counter() - start
                 last = step == tc.max_steps or (tc.max_time_s is not None and elapsed_s >= tc.max_time_s)
                 if last or (tc.eval_every and step % tc.eval_every == 0):
+                    t_eval = time.perf_counter()
                     last_accuracy = metrics["eval/accuracy"] = evaluate()
+                    metrics["time/eval_s"] = time.perf_counter() - t_eval
                 if step == 1:
                     metrics["eval/accuracy_initial"] = initial_accuracy
                 metrics |= {"step": step, "time/rollout_wait_s": t_rollout, "time/step_s": time.perf_counter() - t0}
