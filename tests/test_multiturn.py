@@ -157,3 +157,44 @@ def test_collect_groups_routes_a_multiturn_task_into_scored_groups():
     assert [t.group_id for t in group] == [7, 7] and [t.reward for t in group] == [1.0, 1.0]
     assert group[0].response_mask == [1, 1, 0, 0, 1, 1] and group[0].prompt_ids == [10]
     assert group[0].env_stats["turns"] == 2.0 and group[0].trainable
+
+
+@pytest.mark.parametrize("method", ["fast", "exact"])
+def test_learner_ignores_observation_tokens_log_probs_and_untrainable_rows(method):
+    """A VCPO/OPOB learner step is the same whatever behavior log-probs and versions observation tokens and
+    untrainable trajectories carry: ESS, OPOB norms and the objective read the mask only."""
+    import copy
+
+    import transformers
+
+    from vcpo.config import load_config
+    from vcpo.train.learner import Learner
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64)).eval()
+    cfg = load_config(None, ["objective.name=vcpo", "advantage.estimator=opob",
+                             f"advantage.grad_norm_method={method}"])
+
+    def step(obs_logprob: float, obs_version: int, void_logprob: float) -> tuple[list[torch.Tensor], dict]:
+        trajs = []
+        for i in range(8):
+            mask = [1, 1, 0, 0, 1, 1]
+            blp = [-1.0 - 0.1 * i, -2.0, obs_logprob, obs_logprob, -0.5, -1.5 + 0.05 * i]
+            versions = [3, 3, obs_version, obs_version, 4, 4]
+            t = Trajectory("u", i // 4, [5, 6, 7], [8 + i, 9, 20, 21, 10, 1], blp, versions, float(i % 3 == 0),
+                           True, SamplingParams(), response_mask=mask)
+            if i == 5:  # a void-turn trajectory: out of the loss whatever it holds
+                t.trainable, t.behavior_logprobs = False, [void_logprob] * 6
+            trajs.append(t)
+        learner = Learner(copy.deepcopy(model), cfg)
+        learner.version = 4
+        metrics = learner.backward(Batch.from_trajectories(trajs, pad_id=0))
+        return [p.grad.clone() for p in learner.params], metrics
+
+    grads_a, m_a = step(0.0, 3, -1.0)
+    grads_b, m_b = step(-40.0, 0, -60.0)
+    assert m_a["ess/ratio"] == m_b["ess/ratio"] < 1.0
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(ga, gb, rtol=0, atol=0)
