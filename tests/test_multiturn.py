@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vcpo.envs.multiturn import EnvStep, is_multiturn
 from vcpo.orchestration.staleness import staleness_metrics
@@ -198,3 +200,29 @@ def test_learner_ignores_observation_tokens_log_probs_and_untrainable_rows(metho
     assert m_a["ess/ratio"] == m_b["ess/ratio"] < 1.0
     for ga, gb in zip(grads_a, grads_b, strict=True):
         torch.testing.assert_close(ga, gb, rtol=0, atol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(turn_lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5), obs_len=st.integers(0, 4),
+       max_turns=st.integers(1, 5), budget=st.integers(1, 30), done_at=st.integers(0, 5))
+def test_episode_invariants(turn_lengths, obs_len, max_turns, budget, done_at):
+    """Whatever the script: aligned per-token lists, the budget and turn limit hold, observations are never at the
+    end of an episode, and the model's tokens are exactly the sampled ones in order."""
+    turns = [[11] * (n - 1) + [EOS] for n in turn_lengths] + [[EOS]] * 5
+
+    class Env(ScriptedEnv):
+        def step(self, tokenizer, problems, turn_ids, turn_index):
+            if turn_index == done_at:
+                return [EnvStep([], done=True, reward=1.0) for _ in problems]
+            return [EnvStep([20] * obs_len, done=False) for _ in problems]
+
+    engine = ScriptedEngine(turns)
+    (ep,) = run_episodes(engine, AmbiguousTokenizer(), Env(max_turns, budget), [PROBLEM], [[10]],
+                         SamplingParams(max_new_tokens=4))
+    n = len(ep.response_ids)
+    assert len(ep.mask) == len(ep.versions) == len(ep.behavior_logprobs) == n
+    assert n <= budget and 1 <= ep.turns <= max_turns and ep.turns == len(engine.contexts)
+    assert n == 0 or ep.mask[-1] == 1
+    assert all(b == 0.0 for b, m in zip(ep.behavior_logprobs, ep.mask, strict=True) if not m)
+    assert ep.versions == sorted(ep.versions)  # versions never go back along an episode
+    assert ep.finished == (done_at < ep.turns) and ep.reward == float(ep.finished)
