@@ -86,23 +86,26 @@ class ToolTask:
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in turn_ids]
         parsed = [parse_turn(text) for text in texts]
         calls = [i for i, p in enumerate(parsed) if p.code is not None and not p.answered]
-        results = run_tool_calls([parsed[i].code for i in calls], self.tool_timeout_s, self.tool_memory_mb,
-                                 self.tool_workers)
+        results = dict(zip(calls, run_tool_calls([parsed[i].code for i in calls], self.tool_timeout_s,
+                                                 self.tool_memory_mb, self.tool_workers), strict=True))
         steps: list[EnvStep] = []
-        for problem, text, p in zip(problems, texts, parsed, strict=True):
+        for i, (problem, text, p) in enumerate(zip(problems, texts, parsed, strict=True)):
             if p.answered:
                 steps.append(EnvStep([], done=True, reward=self.reward(problem, text)))
+            elif p.void:
+                steps.append(EnvStep([], done=True, void=True))
             else:
-                steps.append(EnvStep([], done=True, void=p.void))  # filled in below when it is a call
-        for i, result in zip(calls, results, strict=True):
-            output, failed = tool_output(result)
-            if BOXED_MARK in output:  # the code printed the final answer (SimpleTIR ends the episode there too)
-                steps[i] = EnvStep([], done=True, reward=self.reward(problems[i], output), tool_calls=1,
-                                   tool_errors=int(failed))
-                continue
-            obs_ids = tokenizer(observation_text(output), add_special_tokens=False)["input_ids"]
-            steps[i] = EnvStep(obs_ids, done=False, tool_calls=1, tool_errors=int(failed))
+                steps.append(self._observe(tokenizer, problem, results[i]))
         return steps
+
+    def _observe(self, tokenizer: Any, problem: Problem, result: Any) -> EnvStep:
+        """The observation of one tool run, or the end of the episode when its output holds the final answer
+        (SimpleTIR ends there too)."""
+        output, failed = tool_output(result)
+        if BOXED_MARK in output:
+            return EnvStep([], done=True, reward=self.reward(problem, output), tool_calls=1, tool_errors=int(failed))
+        obs_ids = tokenizer(observation_text(output), add_special_tokens=False)["input_ids"]
+        return EnvStep(obs_ids, done=False, tool_calls=1, tool_errors=int(failed))
 
     def demonstration(self, problem: Problem) -> list[tuple[str, bool]]:
         """A solved episode: ``print(<expression>)`` in a Python block, its output, the boxed answer.
