@@ -9,6 +9,10 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -112,3 +116,78 @@ def sleeper_code(marker: str, detach: bool) -> str:
         return ("import os, sys\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
                 f"        {spawn}\n    os._exit(0)\nos.wait()\n")
     return f"import os, sys\nif os.fork() == 0:\n    {spawn}\n"
+
+
+def save_tiny_policy(out: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama (hidden 32) with the default model's character tokenizer, saved as a Hugging Face
+    directory: what `vcpo serve` and `model.path` load in the server tests (float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vcpo.models.default import BASE_CHARACTERS, build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(BASE_CHARACTERS)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(model_dir: Path, count: int = 1, timeout_s: float = 120.0) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+    """``count`` `vcpo serve` processes on free localhost ports, healthy before the body runs; each is killed when the
+    body ends, also when it fails (and dies with the test process if that is killed first)."""
+    import httpx
+
+    from vcpo.runtime import set_parent_death_signal  # SIGKILL when the test process dies, however it dies
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    procs: list[tuple[str, subprocess.Popen]] = []
+    logs: list = []
+    try:
+        for _ in range(count):
+            port = free_port()
+            log = tempfile.TemporaryFile()  # a file, not a pipe: a chatty server can never block on it
+            logs.append(log)
+            proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "serve", str(model_dir), "--port", str(port)],
+                                    env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
+                                    preexec_fn=set_parent_death_signal)
+            procs.append((f"http://127.0.0.1:{port}", proc))
+        deadline = time.monotonic() + timeout_s
+        for (url, proc), log in zip(procs, logs, strict=True):
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise AssertionError(f"vcpo serve exited ({proc.returncode}): {log.read()[-2000:]!r}")
+                try:
+                    if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"vcpo serve at {url} not healthy within {timeout_s} s")
+                time.sleep(0.2)
+        yield procs
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for _, proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()

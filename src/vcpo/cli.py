@@ -1,4 +1,4 @@
-"""The ``vcpo`` command line: sft, train, eval, plot, sweep, rerun, report. Each error is one line on stderr.
+"""The ``vcpo`` command line: sft, train, eval, plot, sweep, rerun, report, serve. Each error is one line on stderr.
 
 Exit status: 0 done; 2 a user error (bad config, path or disk), found before any heavy import where it can
 be; 1 a run that started and could not go on; 128 + signal when SIGTERM (143) or SIGINT (130) stopped it.
@@ -277,6 +277,31 @@ def report(sweep_dir: Annotated[Path, typer.Argument(help="A directory written b
     try:
         console.print(f"wrote {write_report(sweep_dir)}")
     except (UserError, ReportError) as exc:
+        _fail(exc)
+
+
+@app.command()
+def serve(
+    model_dir: Annotated[Path, typer.Argument(help="A local Hugging Face model directory.")],
+    host: Annotated[str, typer.Option(help="Interface to bind; the default serves this machine only.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8000,
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float64.")] = "float32",
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
+    seed: Annotated[int, typer.Option(help="Seed of the sampling RNG (requests may bring their own).")] = 0,
+) -> None:
+    """Serve MODEL_DIR over HTTP for rollouts (vLLM's completion shapes, pause, resume, update_weights)."""
+    from vcpo.errors import UserError
+    from vcpo.models.files import check_model_dir
+
+    try:
+        check_model_dir(model_dir)  # before the heavy import
+        try:
+            from vcpo.serve.app import run_server
+        except ImportError as exc:
+            raise UserError(f"vcpo serve needs the serve extra (pip install -e '.[serve]'): {exc}") from None
+        _quiet_libraries()
+        run_server(model_dir, host=host, port=port, dtype=dtype, device=device, seed=seed)
+    except UserError as exc:
         _fail(exc)
 
 

@@ -73,12 +73,46 @@ class SFTConfig(_Strict):
     """Where the warm-started default model is cached, keyed by its settings."""
 
 
+class ServerConfig(_Strict):
+    """Inference servers for ``rollout.engine: server`` (docs/server.md)."""
+
+    urls: list[str] = Field(default_factory=list)
+    """Base URLs, e.g. ``http://127.0.0.1:8000``; prompts are spread over the servers that answer."""
+    kind: Literal["vcpo", "vllm", "sglang"] = "vcpo"
+    model: str | None = None
+    """The served model name sent with each request (vLLM's ``model``); None = none sent."""
+    weights_dir: str | None = None
+    """Where each published version is written (the servers read the same path); None = {run_dir}/server_weights."""
+    keep_weights: int = Field(2, gt=0)
+    """Version directories kept in weights_dir (older ones are removed)."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Per generation call (a call waits while its server is paused for an update)."""
+    control_timeout_s: float = Field(120.0, gt=0)
+    """Per pause, update or resume call."""
+    retries: int = Field(2, ge=0, le=10)
+    """Retries of a call that failed in transport or with a 5xx; then the server is skipped from then on."""
+    retry_backoff_s: float = Field(0.5, ge=0)
+    """Wait before the first retry; doubled before each next one."""
+
+    @field_validator("urls")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", url):
+                raise ValueError(f"{url!r} is not a base URL like http://127.0.0.1:8000")
+        return v
+
+
 class RolloutConfig(_Strict):
     prompts_per_step: int = Field(16, gt=0)
     group_size: int = Field(8, gt=0)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(8, gt=0)
+    engine: Literal["hf", "server"] = "hf"
+    """``hf``: in-process Hugging Face generation; ``server``: the inference servers of ``rollout.server``."""
+    server: ServerConfig = Field(default_factory=ServerConfig)
 
 
 class ObjectiveConfig(_Strict):
@@ -238,6 +272,12 @@ class Config(_Strict):
         if self.async_.mode == "lagged" and self.async_.generation_bound() == k:
             raise ValueError(f"async.replay.generation_lag must be below async.max_staleness={k} in lagged mode: "
                              f"fresh groups arrive exactly that old, so none could ever be replayed")
+        return self
+
+    @model_validator(mode="after")
+    def _servers_named(self) -> Config:
+        if self.rollout.engine == "server" and not self.rollout.server.urls:
+            raise ValueError("rollout.engine=server needs rollout.server.urls (a list of base URLs)")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -37,15 +37,32 @@ def load_policy(path: str | Path, dtype: str = "float32", device: str | torch.de
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except Exception as exc:
         raise ModelLoadError(f"model path {str(p)!r}: cannot load its tokenizer ({one_line(exc)})") from None
-    _ensure_eos_and_pad(tokenizer, model, p)
+    _ensure_eos_and_pad(tokenizer, model.generation_config, p)
     model.to(device).eval()
     return model, tokenizer
 
 
-def _ensure_eos_and_pad(tokenizer: Any, model: Any, path: Path) -> None:
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of :func:`load_policy` without the model (a process whose generation runs on servers)."""
+    from transformers import GenerationConfig
+
+    p = check_model_dir(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"model path {str(p)!r}: cannot load its tokenizer ({one_line(exc)})") from None
+    try:
+        generation_config = GenerationConfig.from_pretrained(p, local_files_only=True)
+    except Exception:  # no generation_config.json: the tokenizer must name its EOS itself
+        generation_config = None
+    _ensure_eos_and_pad(tokenizer, generation_config, p)
+    return tokenizer
+
+
+def _ensure_eos_and_pad(tokenizer: Any, generation_config: Any, path: Path) -> None:
     """Give the tokenizer an EOS (from the model's generation config if needed) and a pad token."""
     if tokenizer.eos_token_id is None:
-        eos = getattr(model.generation_config, "eos_token_id", None)
+        eos = getattr(generation_config, "eos_token_id", None)
         eos = eos[0] if isinstance(eos, list) and eos else eos
         if not isinstance(eos, int):
             raise ModelLoadError(f"model path {str(path)!r}: the tokenizer has no EOS token and the model names none")

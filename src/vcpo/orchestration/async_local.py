@@ -5,9 +5,11 @@ worker has its own lock around it, its own ticket pipe (group indices in) and re
 so that the learner knows which groups each worker holds. Workers poll the version before every decode
 step when in-flight updates are on, else before each request. The learner admits rollout groups under
 the staleness bound (vcpo.orchestration.staleness) and drops, at batch time, any group that would exceed
-it. A worker that dies is noticed at once (its process sentinel) and restarted with the groups it held,
-up to ``max_restarts`` times; a worker silent for ``handoff_timeout_s`` while it holds groups, or holding
-its weight lock that long, is an error naming it. Nothing here ever waits without a deadline.
+it. With inference servers (``rollout.engine: server``) the workers are HTTP clients and a ``WeightPublisher``
+in the learner's process brings every server to each new version instead. A worker that dies is noticed at
+once (its process sentinel) and restarted with the groups it held, up to ``max_restarts`` times; a worker
+silent for ``handoff_timeout_s`` while it holds groups, or holding its weight lock that long, is an error
+naming it. Nothing here ever waits without a deadline.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rich.console import Console
 from vcpo.errors import RunFailed, signal_name
 from vcpo.orchestration.staleness import StalenessController
 from vcpo.orchestration.worker import WorkerSpec, rollout_worker
+from vcpo.rollout.weights import WeightPublisher
 from vcpo.types import Trajectory
 
 __all__ = ["AsyncSource", "WorkerSpec"]
@@ -60,14 +63,18 @@ class AsyncSource:
     """Rollout worker processes, fed and restarted from the learner's (main) thread."""
 
     def __init__(self, model: torch.nn.Module, spec: WorkerSpec, num_workers: int, max_staleness: int,
-                 drop_older_than: float | None, start_version: int = 0, max_restarts: int = 3) -> None:
+                 drop_older_than: float | None, start_version: int = 0, max_restarts: int = 3,
+                 publisher: WeightPublisher | None = None) -> None:
         self._ctx = mp.get_context("spawn")
         self.spec = spec
         self.P = spec.prompts_per_step
         self.num_workers = num_workers
         self.max_restarts = max_restarts
-        # A host copy whatever the learner's device: workers copy from it onto theirs.
-        self.shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in model.state_dict().items()}
+        self.publisher = publisher
+        self._model = model
+        # A host copy whatever the learner's device: workers copy from it onto theirs (none when servers generate).
+        self.shared = {} if publisher is not None else {
+            k: v.detach().to("cpu", copy=True).share_memory_() for k, v in model.state_dict().items()}
         # Read by workers without a lock, as a hint; written only while every worker's lock is held.
         self.version = self._ctx.RawValue("q", start_version)
         self.controller = StalenessController(max_staleness, self.P, drop_older_than)
@@ -175,6 +182,8 @@ class AsyncSource:
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         if not self.workers:  # start on the first request, after any load_state
+            if self.publisher is not None:  # the servers start from the learner's weights, whatever they loaded
+                self.publisher.publish(self._model.state_dict(), int(self.version.value))
             self.workers = [self._spawn(i) for i in range(self.num_workers)]
             self._admit()
         if self._failure is not None:
@@ -207,7 +216,15 @@ class AsyncSource:
         return self.workers[i].lock
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        """Copy the new weights into shared memory under every worker's lock, then admit what the bound allows."""
+        """Copy the new weights into shared memory under every worker's lock (or publish them to the servers),
+        then admit what the bound allows."""
+        if self.publisher is not None:
+            self.publisher.publish(model.state_dict(), version)  # every server paused, updated, resumed
+            self.version.value = version
+            self.controller.set_version(version)
+            if self.workers and self._failure is None:
+                self._admit()
+            return
         locked = []
         try:
             for i in range(len(self.workers)):

@@ -20,19 +20,32 @@ def _generate_batch(engine, ctx: RolloutContext, index: int) -> list[Trajectory]
     return [t for g in groups for t in g]
 
 
-class SyncSource:
-    """Generate batch t with the current weights, then train on it: every token has lag 0."""
+def _at_version(engine, remote_model: torch.nn.Module | None, version: int) -> None:
+    """Make ``engine`` sample with policy ``version``: an in-process engine shares the learner's model and only
+    takes the tag; a remote one (``remote_model`` given: the learner's) gets the weights published."""
+    if remote_model is None:
+        engine.version = version
+    elif engine.version != version:
+        engine.load_weights(remote_model.state_dict(), version)
 
-    def __init__(self, engine, ctx: RolloutContext) -> None:
+
+class SyncSource:
+    """Generate batch t with the current weights, then train on it: every token has lag 0.
+
+    ``remote_model``: the learner's model, whose weights are published to an engine that does not share it."""
+
+    def __init__(self, engine, ctx: RolloutContext, remote_model: torch.nn.Module | None = None) -> None:
         self.engine = engine
         self.ctx = ctx
+        self.remote_model = remote_model
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
-        self.engine.version = learner_version
+        _at_version(self.engine, self.remote_model, learner_version)
         return _generate_batch(self.engine, self.ctx, learner_version)
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        self.engine.version = version
+        if self.remote_model is None:
+            self.engine.version = version  # a remote engine gets the weights when the next batch needs them
 
     def metrics(self) -> dict[str, float]:
         return {}
@@ -52,17 +65,19 @@ class LaggedSource:
 
     Rather than keeping k old copies of the weights, batch t + k is generated right after the step
     that produced version t, while those weights are current, and waits in a queue; the queue is
-    part of the checkpoint, so a resumed run trains on exactly the same batches.
+    part of the checkpoint, so a resumed run trains on exactly the same batches. ``remote_model`` as in SyncSource.
     """
 
-    def __init__(self, engine, ctx: RolloutContext, max_staleness: int) -> None:
+    def __init__(self, engine, ctx: RolloutContext, max_staleness: int,
+                 remote_model: torch.nn.Module | None = None) -> None:
         self.engine = engine
         self.ctx = ctx
+        self.remote_model = remote_model
         self.k = max_staleness
         self.pending: dict[int, list[Trajectory]] = {}
 
     def _fill(self, version: int, indices: range) -> None:
-        self.engine.version = version
+        _at_version(self.engine, self.remote_model, version)
         for index in indices:
             if index not in self.pending:
                 self.pending[index] = _generate_batch(self.engine, self.ctx, index)

@@ -45,6 +45,8 @@ class WorkerSpec:
     parent_pid: int = 0
     """The trainer's pid: the worker exits when that process is gone."""
     handoff_timeout_s: float = 300.0
+    server: dict[str, Any] | None = None
+    """rollout.server when rollout.engine is server: the worker is an HTTP client and loads only the tokenizer."""
 
 
 class _Sender:
@@ -107,13 +109,21 @@ def _serve(spec: WorkerSpec, shared: dict[str, torch.Tensor], version: Any, tick
     task = make_task(TaskConfig(name=spec.task_name, kwargs=spec.task_kwargs, reward_timeout_s=spec.reward_timeout_s,
                                 reward_workers=spec.reward_workers))
     prepare_scoring(task)  # the sandboxed scorer starts while the model loads
-    model, tokenizer = load_policy(spec.model_path, spec.dtype, spec.device)
-    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1,
-                             lm_head_fp32=spec.lm_head_fp32)
+    if spec.server is None:
+        model, tokenizer = load_policy(spec.model_path, spec.dtype, spec.device)
+        engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1,
+                                 lm_head_fp32=spec.lm_head_fp32)
+    else:  # the learner's process publishes the weights to the servers; vcpo serve tags each token's version
+        from vcpo.config import ServerConfig
+        from vcpo.models.loading import load_tokenizer
+        from vcpo.rollout.server import server_engine
+
+        tokenizer = load_tokenizer(spec.model_path)
+        engine = server_engine(ServerConfig(**spec.server), version_of=lambda: int(version.value))
     stream = ProblemStream(task, spec.seed, spec.prompts_per_step)
 
     def poll() -> tuple[int, dict[str, torch.Tensor]] | None:
-        if version.value == engine.version:  # a lock-free hint; the copy below is made under the lock
+        if spec.server is not None or version.value == engine.version:  # a lock-free hint; the copy is locked
             return None
         if not lock.acquire(timeout=spec.handoff_timeout_s):
             raise TimeoutError(f"the learner held worker {spec.worker_id}'s weight lock for more than "

@@ -212,12 +212,15 @@ class HFRolloutEngine:
         weight_poll: WeightPoll | None = None,
         generator: torch.Generator | None = None,
         greedy: bool = False,
+        stop: Callable[[], bool] | None = None,
     ) -> list[Generation]:
         """Sample a response for every prompt; see ``sample_next`` for the distribution and its log-prob.
 
         A row stops after EOS (which is recorded, ``finished=True``) or at ``max_new_tokens``. Before
         every forward pass ``weight_poll`` may hand over new weights: the same sequences continue with
         the KV cache computed so far (old-weight entries are kept) and later tokens record the new version.
+        ``stop`` (``vcpo serve``'s pause) is asked before every decode step: True ends every row there, each
+        keeping the tokens it has (unfinished rows then hold fewer than ``max_new_tokens``).
         """
         _check_request(prompt_ids, sampling)
         gens = [Generation(response_ids=[], behavior_logprobs=[], versions=[], finished=False) for _ in prompt_ids]
@@ -240,6 +243,8 @@ class HFRolloutEngine:
         versions: list[int] = []  # the weights' version at each step (all rows step together)
         past_key_values = None
         for n in range(N):
+            if stop is not None and stop():
+                break
             if weight_poll is not None and (update := weight_poll()) is not None:
                 self.load_weights(update[1], version=update[0])
             versions.append(self.version)

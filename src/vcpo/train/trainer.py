@@ -104,6 +104,7 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
     rc = config.rollout
     sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens)
     mode = config.async_.mode
+    servers = _server_engine(config, model_path) if rc.engine == "server" else None
     if mode == "async":
         from vcpo.orchestration.async_local import AsyncSource, WorkerSpec
 
@@ -115,17 +116,31 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
             torch_threads=config.runtime.torch_threads, reward_timeout_s=config.task.reward_timeout_s,
             reward_workers=config.task.reward_workers, parent_pid=os.getpid(),
             handoff_timeout_s=config.async_.handoff_timeout_s,
+            server=None if servers is None else rc.server.model_dump(),
         )
         ac = config.async_
         return AsyncSource(learner.model, spec, ac.num_workers, ac.generation_bound(), ac.drop_older_than,
-                           start_version=learner.version, max_restarts=ac.max_worker_restarts)
-    engine = HFRolloutEngine(learner.model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                             lm_head_fp32=config.model.lm_head_fp32)
+                           start_version=learner.version, max_restarts=ac.max_worker_restarts,
+                           publisher=None if servers is None else servers.publisher)
+    engine = servers or HFRolloutEngine(learner.model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                                        lm_head_fp32=config.model.lm_head_fp32)
+    remote_model = None if servers is None else learner.model  # whose weights are published to the servers
     ctx = RolloutContext(tokenizer, task, ProblemStream(task, config.seed, rc.prompts_per_step), sampling,
                          rc.group_size, config.seed)
     if mode == "sync":
-        return SyncSource(engine, ctx)
-    return LaggedSource(engine, ctx, config.async_.generation_bound())
+        return SyncSource(engine, ctx, remote_model)
+    return LaggedSource(engine, ctx, config.async_.generation_bound(), remote_model)
+
+
+def _server_engine(config: Config, model_path: Path):
+    """The inference-server engine of ``rollout.server``, publishing into ``weights_dir`` (docs/server.md)."""
+    from vcpo.rollout.server import server_engine
+
+    sc = config.rollout.server
+    weights_dir = sc.weights_dir or str(Path(config.run_dir) / "server_weights")
+    extra = [p for p in (model_path / "config.json", model_path / "generation_config.json") if p.is_file()]
+    return server_engine(sc, weights_dir=weights_dir, extra_files=extra, abort=config.async_.inflight_updates
+                         or config.async_.mode != "async")
 
 
 def _progress(enabled: bool) -> Progress:

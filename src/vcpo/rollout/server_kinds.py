@@ -1,0 +1,152 @@
+"""How each inference server kind is spoken to: the generation request, the response's fields, and the routes that
+pause, update and resume it (`vcpo serve`, vLLM, SGLang; docs/server.md lists the versions read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vcpo.types import SamplingParams
+
+
+class ServerResponseError(ValueError):
+    """A server answered, but not in the shape its kind documents; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One HTTP request: method, path, JSON body and query parameters."""
+
+    path: str
+    json: dict[str, Any] | None = None
+    params: dict[str, Any] | None = None
+    method: str = "POST"
+
+
+@dataclass
+class ServerSegment:
+    """One prompt's tokens from one call; ``versions`` None when the server does not tag them (vLLM, SGLang)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int] | None
+    finish_reason: str  # stop, length or abort
+
+
+def _field(body: Any, *path: str | int) -> Any:
+    node = body
+    for key in path:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            raise ServerResponseError(f"response has no {'.'.join(map(str, path))}") from None
+    return node
+
+
+def _segment(token_ids: Any, logprobs: Any, versions: Any, reason: Any, where: str) -> ServerSegment:
+    if not (isinstance(token_ids, list) and isinstance(logprobs, list) and len(token_ids) == len(logprobs)):
+        raise ServerResponseError(f"{where}: token ids and log-probs missing or of different lengths")
+    if versions is not None and (not isinstance(versions, list) or len(versions) != len(token_ids)):
+        raise ServerResponseError(f"{where}: versions missing or of another length than the token ids")
+    if reason not in ("stop", "length", "abort"):
+        raise ServerResponseError(f"{where}: finish_reason {reason!r} is not stop, length or abort")
+    return ServerSegment([int(t) for t in token_ids], [float(x) for x in logprobs],
+                         None if versions is None else [int(v) for v in versions], reason)
+
+
+class VcpoServer:
+    """`vcpo serve`: vLLM's completion shapes plus a ``versions`` list per choice; our own control routes."""
+
+    kind = "vcpo"
+    tags_versions = True
+
+    def __init__(self, model: str | None = None) -> None:
+        self.model = model
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_tokens: int, greedy: bool) -> Call:
+        body: dict[str, Any] = {"prompt": prompts, "max_tokens": max_tokens,
+                                "temperature": 0.0 if greedy else sampling.temperature, "top_p": sampling.top_p,
+                                "logprobs": 0, "return_token_ids": True}
+        if self.model is not None:
+            body["model"] = self.model
+        return Call("/v1/completions", body)
+
+    def parse(self, body: Any, n_prompts: int) -> list[ServerSegment]:
+        choices = _field(body, "choices")
+        if not isinstance(choices, list) or len(choices) != n_prompts:
+            raise ServerResponseError(f"response holds {len(choices) if isinstance(choices, list) else 'no'} "
+                                      f"choices for {n_prompts} prompts")
+        choices = sorted(choices, key=lambda c: _field(c, "index"))
+        return [_segment(_field(c, "token_ids"), _field(c, "logprobs", "token_logprobs"),
+                         c.get("versions") if self.tags_versions else None, c.get("finish_reason"), f"choices[{i}]")
+                for i, c in enumerate(choices)]
+
+    def pause(self, abort: bool) -> list[Call]:
+        return [Call("/pause", params={"mode": "abort" if abort else "wait"})]
+
+    def resume(self) -> list[Call]:
+        return [Call("/resume")]
+
+    def update(self, path: str, version: int) -> list[Call]:
+        return [Call("/update_weights", {"path": path, "version": version})]
+
+    def check(self, call: Call, body: Any) -> None:
+        """Raise when a 2xx answer still reports a failure (SGLang's ``success: false``)."""
+
+
+class VLLMServer(VcpoServer):
+    """vLLM's OpenAI server (``VLLM_SERVER_DEV_MODE=1`` for the RL routes, ``--logprobs-mode processed_logprobs``).
+
+    Weights from disk: ``/collective_rpc`` points the workers' model config at the new directory
+    (``update_config``) and reloads (``reload_weights``); ``/pause`` (mode abort) also clears the prefix cache.
+    """
+
+    kind = "vllm"
+    tags_versions = False
+
+    def update(self, path: str, version: int) -> list[Call]:
+        return [Call("/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": path}}]}),
+                Call("/collective_rpc", {"method": "reload_weights"})]
+
+
+class SGLangServer(VcpoServer):
+    """SGLang's native API: ``/generate`` with ``input_ids``, ``/pause_generation``, ``/continue_generation``,
+    ``/update_weights_from_disk``."""
+
+    kind = "sglang"
+    tags_versions = False
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_tokens: int, greedy: bool) -> Call:
+        params = {"max_new_tokens": max_tokens, "temperature": 0.0 if greedy else sampling.temperature,
+                  "top_p": sampling.top_p}
+        return Call("/generate", {"input_ids": prompts, "sampling_params": params, "return_logprob": True})
+
+    def parse(self, body: Any, n_prompts: int) -> list[ServerSegment]:
+        if not isinstance(body, list) or len(body) != n_prompts:
+            raise ServerResponseError(f"response is not a list of {n_prompts} results")
+        segments = []
+        for i, item in enumerate(body):
+            pairs = _field(item, "meta_info", "output_token_logprobs")  # [[logprob, token_id, text], ...]
+            reason = _field(item, "meta_info", "finish_reason")
+            reason = reason.get("type") if isinstance(reason, dict) else reason
+            if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) >= 2 for p in pairs):
+                raise ServerResponseError(f"[{i}].meta_info.output_token_logprobs is not a list of [logprob, id]")
+            segments.append(_segment([p[1] for p in pairs], [p[0] for p in pairs], None, reason, f"[{i}]"))
+        return segments
+
+    def pause(self, abort: bool) -> list[Call]:
+        return [Call("/pause_generation", {"mode": "abort"})]  # SGLang has no wait mode: always abort
+
+    def resume(self) -> list[Call]:
+        return [Call("/continue_generation", {})]
+
+    def update(self, path: str, version: int) -> list[Call]:
+        return [Call("/update_weights_from_disk", {"model_path": path, "weight_version": str(version)})]
+
+    def check(self, call: Call, body: Any) -> None:
+        if isinstance(body, dict) and body.get("success") is False:
+            raise ServerResponseError(f"{call.path} failed: {str(body.get('message', ''))[:200]}")
+
+
+KINDS = {"vcpo": VcpoServer, "vllm": VLLMServer, "sglang": SGLangServer}
