@@ -52,6 +52,7 @@ def test_training_continues_through_hostile_rewards(tmp_path, monkeypatch):
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
-        assert m["reward/timeouts"] == 1.0  # the loop, in every batch
+        # The loop, in every batch; on a loaded machine the fork bomb may pass the 1 s deadline too.
+        assert 1.0 <= m["reward/timeouts"] <= 2.0
         assert 0.0 <= m["reward/errors"] <= 3.0
     assert not marker.exists() and not Path(f"{marker}.w").exists()
