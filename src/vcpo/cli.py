@@ -90,10 +90,15 @@ def train(
 ) -> None:
     """Train with RL: `vcpo train -c CONFIG.yaml [key.path=value ...] [--resume RUN_DIR]`."""
     try:
+        from vcpo.orchestration.base import BackendError
         from vcpo.train.trainer import train as run_training
 
         cfg = _load(config, overrides, resume)
-        summary = run_training(cfg, resume=resume is not None)
+        try:
+            summary = run_training(cfg, resume=resume is not None)
+        except BackendError as exc:  # not the user's doing: one line, exit 1 (finished steps are checkpointed)
+            print(f"error: {exc}", file=sys.stderr)
+            raise typer.Exit(1) from None
         console.print(
             f"held-out accuracy: {summary['initial_accuracy']:.3f} before RL -> {summary['final_accuracy']:.3f} "
             f"after {summary['steps']} steps ({summary['wall_time_s']:.0f} s); run: {summary['run_dir']}"

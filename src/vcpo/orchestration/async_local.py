@@ -45,14 +45,14 @@ class WorkerSpec:
     reward_workers: int = 1
 
 
-def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, lock, tickets, results, stop) -> None:
-    """Worker loop: take admitted group indices, generate with the newest weights, send groups back."""
+def build_worker(spec: WorkerSpec):
+    """A worker's engine (at version -1 until it receives weights), tokenizer, task and problem stream, built in the
+    worker's own process (a local worker or a Ray rollout actor)."""
     configure_cpu(spec.torch_threads)  # as in the learner's process
     from transformers.utils import logging as hf_logging
 
     from vcpo.config import TaskConfig
     from vcpo.models.loading import load_policy
-    from vcpo.rollout.collect import collect_groups
     from vcpo.rollout.engine import HFRolloutEngine
     from vcpo.tasks import make_task, prepare_scoring
 
@@ -63,7 +63,14 @@ def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, l
     model, tokenizer = load_policy(spec.model_path, spec.dtype, spec.device)
     engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1,
                              lm_head_fp32=spec.lm_head_fp32)
-    stream = ProblemStream(task, spec.seed, spec.prompts_per_step)
+    return engine, tokenizer, task, ProblemStream(task, spec.seed, spec.prompts_per_step)
+
+
+def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, lock, tickets, results, stop) -> None:
+    """Worker loop: take admitted group indices, generate with the newest weights, send groups back."""
+    from vcpo.rollout.collect import collect_groups
+
+    engine, tokenizer, task, stream = build_worker(spec)
 
     def poll() -> tuple[int, dict[str, torch.Tensor]] | None:
         if version.value == engine.version:

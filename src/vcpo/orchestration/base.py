@@ -10,6 +10,11 @@ import torch
 from vcpo.types import Problem, SamplingParams, Trajectory
 
 
+class BackendError(RuntimeError):
+    """A rollout or learner backend failed (an actor died for good, a remote call passed its timeout); the message
+    is one line naming what failed and the key that governs it."""
+
+
 class RolloutSource(Protocol):
     """Supplies the trajectories of each optimizer step and learns of each new policy version."""
 

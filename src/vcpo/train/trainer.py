@@ -60,9 +60,10 @@ def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[
     } | staleness_metrics(trajectories, learner_version)
 
 
-def make_source(config: Config, learner: Learner, tokenizer, task, model_path: Path) -> RolloutSource:
-    """The run's rollout source: sync, lagged or async, wrapped in TBA's replay buffer when it is on."""
-    source = _generating_source(config, learner, tokenizer, task, model_path)
+def make_source(config: Config, learner: Learner, tokenizer, task, model_path: Path, backend=None) -> RolloutSource:
+    """The run's rollout source: sync, lagged or async (local processes, or the Ray ``backend``'s actors), wrapped
+    in TBA's replay buffer when it is on."""
+    source = _generating_source(config, learner, tokenizer, task, model_path, backend)
     replay = config.async_.replay
     if not replay.enabled:
         return source
@@ -73,7 +74,7 @@ def make_source(config: Config, learner: Learner, tokenizer, task, model_path: P
     return ReplaySource(source, buffer, replay.groups_per_step or config.rollout.prompts_per_step)
 
 
-def _generating_source(config: Config, learner: Learner, tokenizer, task, model_path: Path) -> RolloutSource:
+def _generating_source(config: Config, learner: Learner, tokenizer, task, model_path: Path, backend) -> RolloutSource:
     rc = config.rollout
     sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens)
     mode = config.async_.mode
@@ -88,6 +89,8 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
             torch_threads=config.runtime.torch_threads, reward_timeout_s=config.task.reward_timeout_s,
             reward_workers=config.task.reward_workers,
         )
+        if backend is not None:
+            return backend.source(learner.model, spec, start_version=learner.version)
         return AsyncSource(learner.model, spec, config.async_.num_workers, config.async_.generation_bound(),
                            config.async_.drop_older_than, start_version=learner.version)
     engine = HFRolloutEngine(learner.model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
@@ -108,6 +111,15 @@ def _progress(enabled: bool) -> Progress:
 
 def train(config: Config, resume: bool = False) -> dict[str, Any]:
     """Run (or resume) the job in ``config.run_dir``; returns the run summary (also in summary.json)."""
+    if config.async_.backend == "local":
+        return _train(config, resume, backend=None)
+    from vcpo.orchestration.ray import RayBackend
+
+    with RayBackend(config) as backend:  # Ray up (or joined) for the run, its actors and session gone after
+        return _train(config, resume, backend)
+
+
+def _train(config: Config, resume: bool, backend) -> dict[str, Any]:
     configure_cpu(config.runtime.torch_threads)
     device = resolve_device(config.model.device)
     run_dir = Path(config.run_dir)
@@ -121,7 +133,7 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
     prepare_scoring(task)  # the sandboxed scorer starts while the model loads
     model_path = warm_start(config)
     model, tokenizer = load_policy(model_path, config.model.dtype, device)
-    learner = Learner(model, config)
+    learner = Learner(model, config) if backend is None else backend.learner(model, str(model_path))
     eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
 
     def evaluate() -> float:
@@ -144,7 +156,7 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
         initial_accuracy = evaluate()
         console.print(f"held-out accuracy before RL: {initial_accuracy:.3f}")
 
-    source = make_source(config, learner, tokenizer, task, model_path)
+    source = make_source(config, learner, tokenizer, task, model_path, backend)
     if "source" in state:
         source.load_state(state["source"])
     tc = config.trainer
