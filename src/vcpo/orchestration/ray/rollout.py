@@ -104,6 +104,7 @@ class RaySource:
         self.pending: deque[int] = deque()  # admitted group indices not yet sent (re-issued ones first)
         self.inflight: dict[Any, tuple[int, list[int], int]] = {}  # ref -> (actor, indices, actor's life)
         self.lives = [0] * num_workers  # how many times each actor was found dead
+        self.probes: dict[Any, int] = {}  # pid() calls to restarting actors -> actor
         self.ready: deque[list[Trajectory]] = deque()
         self.stats = {"ray/actor_restarts": 0.0, "ray/reissued_groups": 0.0, "ray/weight_loads": 0.0,
                       "ray/weight_load_s": 0.0, "time/weight_publish_s": 0.0}
@@ -121,33 +122,47 @@ class RaySource:
         for actor, _, _ in self.inflight.values():
             busy[actor] += 1
         for i, actor in enumerate(self.actors):
-            while busy[i] < REQUESTS_PER_ACTOR and self.pending:
+            while busy[i] < REQUESTS_PER_ACTOR and self.pending and i not in self.probes.values():
                 indices = [self.pending.popleft() for _ in range(min(self.chunk, len(self.pending)))]
                 version, ref = self.current
                 self.inflight[actor.generate.remote(indices, version, [ref])] = (i, indices, self.lives[i])
                 busy[i] += 1
 
     def _receive(self) -> None:
-        """Wait for one request; a dead actor's groups go back to the front of the queue (Ray restarts it)."""
-        done, _ = ray.wait(list(self.inflight), num_returns=1, timeout=self.rc.timeout_s)
+        """Wait for one request (or a restarting actor's probe). A request that failed because its actor died goes
+        back to the front of the queue; the actor gets no new request until Ray has restarted it."""
+        done, _ = ray.wait([*self.inflight, *self.probes], num_returns=1, timeout=self.rc.timeout_s)
         if not done:
             raise BackendError(f"no rollout request finished within ray.timeout_s={self.rc.timeout_s:g} s")
+        if done[0] in self.probes:
+            actor = self.probes.pop(done[0])
+            try:
+                ray.get(done[0])
+            except ray.exceptions.ActorUnavailableError:  # still restarting: ask again
+                self.probes[self.actors[actor].pid.remote()] = actor
+            except ray.exceptions.ActorDiedError:
+                raise self._gone(actor) from None
+            return
         actor, indices, life = self.inflight.pop(done[0])
         try:
             groups, stats = ray.get(done[0])
-        except ray.exceptions.RayActorError:
-            if life == self.lives[actor]:  # its other in-flight request failed with the same death
+        except ray.exceptions.ActorDiedError:
+            raise self._gone(actor) from None
+        except ray.exceptions.ActorUnavailableError:
+            if life == self.lives[actor]:  # the first request to fail with this death: Ray restarts the actor
                 self.lives[actor] += 1
                 self.stats["ray/actor_restarts"] += 1
-            if self.lives[actor] > self.rc.max_restarts:
-                raise BackendError(f"rollout actor {actor} died {self.lives[actor]} times, more than "
-                                   f"ray.max_restarts={self.rc.max_restarts}") from None
+                self.probes[self.actors[actor].pid.remote()] = actor
             self.pending.extendleft(reversed(indices))
             self.stats["ray/reissued_groups"] += len(indices)
             return
         self.ready.extend(groups)
         self.stats["ray/weight_loads"] += stats["weight_loads"]
         self.stats["ray/weight_load_s"] += stats["weight_load_s"]
+
+    def _gone(self, actor: int) -> BackendError:
+        return BackendError(f"rollout actor {actor} died for good: its ray.max_restarts={self.rc.max_restarts} "
+                            f"restarts are used up")
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         if self.current is None:

@@ -1,0 +1,134 @@
+"""The Ray backend on a local Ray instance (one per module, 4 logical CPUs): the staleness bound across rollout
+actors finishing out of order, a killed rollout actor restarted with its groups re-issued, and through the command
+line 2 rollout actors and 2 learner ranks, a learner killed mid-run (one line, a checkpoint), and resumes from a Ray
+run's checkpoint locally and from a local one on Ray."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, processes_with, vcpo
+from test_e2e_cli import REQUIRED_KEYS, metrics
+from vcpo.config import RayConfig, TaskConfig
+from vcpo.models.default import build_default_model
+from vcpo.models.loading import load_policy
+from vcpo.tasks import make_task
+from vcpo.types import SamplingParams
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> str:
+    """A local Ray instance for the module; command-line runs join it by its address."""
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.ERROR,
+             log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def test_bound_holds_across_jittery_actors_and_a_killed_actor_is_restarted(cluster, tmp_path):
+    from vcpo.orchestration.async_local import WorkerSpec
+    from vcpo.orchestration.ray.rollout import RaySource
+    from vcpo.orchestration.ray.weights import WeightBoard
+
+    task_config = TaskConfig()
+    path = build_default_model(make_task(task_config), 0, tmp_path / "model")
+    model, _ = load_policy(path, "float32", torch.device("cpu"))
+    spec = WorkerSpec(worker_id=0, model_path=str(path), dtype="float32", device="cpu", lm_head_fp32=False,
+                      task_name=task_config.name, task_kwargs=task_config.kwargs, seed=0, prompts_per_step=4,
+                      group_size=2, sampling=SamplingParams(max_new_tokens=6), inflight_updates=True)
+    k = 1
+    # Up to 20 ms before each decode step: the two actors finish out of order, mid-response weight updates happen.
+    source = RaySource(model, spec, 2, k, None, 0, WeightBoard(), RayConfig(max_restarts=1, timeout_s=120),
+                       jitter_s=0.02)
+    try:
+        seen: set[int] = set()
+        restarted_at = None
+        for version in range(40):  # until the death is seen (Ray reports it within seconds), then 3 steps more
+            batch = source.next_batch(version)
+            assert max(version - v for t in batch for v in t.versions) <= k  # no token ever lags more than k
+            groups = {t.group_id for t in batch}
+            assert len(groups) == 4 and not groups & seen  # whole groups, none trained twice
+            seen |= groups
+            if version == 1:
+                os.kill(source.pids()[0], signal.SIGKILL)
+            with torch.no_grad():  # a new policy each step, so versions matter
+                next(model.parameters()).add_(1e-3)
+            source.publish(model, version + 1)
+            if restarted_at is None and source.stats["ray/actor_restarts"]:
+                restarted_at = version
+            if restarted_at is not None and version >= restarted_at + 3:
+                break
+        m = source.metrics()
+        assert m["ray/actor_restarts"] == 1 and m["ray/reissued_groups"] >= 1  # one death, its groups sent again
+        deadline = time.monotonic() + 120
+        while True:  # the restarted actor answers once its engine is built again
+            try:
+                assert len(set(source.pids())) == 2
+                break
+            except ray.exceptions.ActorUnavailableError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+    finally:
+        source.close()
+
+
+def _run_in_background(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "vcpo.cli", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=log.open("w"))
+
+
+def test_two_actors_two_learners_through_the_cli_a_learner_killed_and_resumes(cluster, tmp_path):
+    run = tmp_path / "run"
+    k = 1
+    common = ["-c", "configs/quickstart.yaml", f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=30",
+              "sft.batch_size=32", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6",
+              "task.eval_size=16", "trainer.eval_every=0", "trainer.checkpoint_every=2", "logging.progress=false",
+              "trainer.lr=1e-3", "async.mode=async", f"async.max_staleness={k}", "async.inflight_updates=true"]
+    ray_keys = ["async.backend=ray", "async.num_workers=2", "trainer.num_learners=2", "ray.timeout_s=60"]
+    log = tmp_path / "stderr.txt"
+    proc = _run_in_background(["train", *common, *ray_keys, f"run_dir={run}", "trainer.max_steps=200",
+                               f"ray.address={cluster}"], log)
+    try:
+        deadline = time.monotonic() + 240
+        while not ((run / "metrics.jsonl").is_file() and len(metrics(run)) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        learners = processes_with("ray::LearnerActor")
+        assert len(learners) == 2
+        os.kill(learners[1], signal.SIGKILL)
+        assert proc.wait(timeout=120) == 1
+    finally:
+        proc.kill()
+    last = log.read_text().strip().splitlines()[-1]
+    assert last.startswith("error: learner rank") and "died" in last, last
+    lines = metrics(run)
+    for m in lines:
+        assert REQUIRED_KEYS | {"time/weight_sync_s", "ray/actor_restarts"} <= m.keys()
+        assert m["staleness/max"] <= k
+    saved = int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert saved == len(lines) >= 3  # every finished step was checkpointed when the learner died
+
+    # A Ray run's checkpoint resumes locally, and that local one on Ray (a local instance of its own this time).
+    vcpo("train", "--resume", str(run), f"trainer.max_steps={saved + 1}", "async.backend=local",
+         "trainer.num_learners=1")
+    vcpo("train", "--resume", str(run), f"trainer.max_steps={saved + 2}", *ray_keys, "ray.address=null")
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == list(range(1, saved + 3))
+    assert "time/weight_sync_s" not in lines[saved] and "time/weight_sync_s" in lines[saved + 1]
+    assert all(m["staleness/max"] <= k for m in lines)
+    assert json.loads((run / "summary.json").read_text())["steps"] == saved + 2
