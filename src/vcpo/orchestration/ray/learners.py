@@ -140,6 +140,10 @@ class LearnerGroup:
         except ray.exceptions.RayActorError as exc:
             raise BackendError(f"learner rank {refs.index(done[0])} died during {what} "
                                f"({type(exc).__name__})") from None
+        except ray.exceptions.RayTaskError as exc:  # e.g. a collective that lost its peer
+            cause = str(exc.cause).strip().splitlines()
+            raise BackendError(f"learner rank {refs.index(done[0])} failed during {what}: "
+                               f"{type(exc.cause).__name__}: {cause[0][:200] if cause else ''}") from None
 
     def _sync(self) -> None:
         """Before the first step (and after a resume): the driver's weights and optimizer state to every rank."""
