@@ -41,9 +41,9 @@ def cluster() -> str:
 
 
 def test_bound_holds_across_jittery_actors_and_a_killed_actor_is_restarted(cluster, tmp_path):
-    from vcpo.orchestration.async_local import WorkerSpec
     from vcpo.orchestration.ray.rollout import RaySource
     from vcpo.orchestration.ray.weights import WeightBoard
+    from vcpo.orchestration.worker import WorkerSpec
 
     task_config = TaskConfig()
     path = build_default_model(make_task(task_config), 0, tmp_path / "model")
@@ -120,7 +120,7 @@ def test_two_actors_two_learners_through_the_cli_a_learner_killed_and_resumes(cl
     finally:
         proc.kill()
     last = log.read_text().strip().splitlines()[-1]
-    assert last.startswith("error: learner rank") and "died" in last, last
+    assert last.startswith("error: stopped at step") and "learner rank" in last and "died" in last, last
     lines = metrics(run)
     assert [m["step"] for m in lines] == list(range(1, len(lines) + 1))
     for m in lines:

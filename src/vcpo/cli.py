@@ -1,11 +1,16 @@
-"""The ``vcpo`` command line: sft, train, eval, plot, sweep, rerun, report. User errors exit 2 with one line."""
+"""The ``vcpo`` command line: sft, train, eval, plot, sweep, rerun, report. Each error is one line on stderr.
+
+Exit status: 0 done; 2 a user error (bad config, path or disk), found before any heavy import where it can
+be; 1 a run that started and could not go on; 128 + signal when SIGTERM (143) or SIGINT (130) stopped it.
+"""
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -16,23 +21,23 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 
+if TYPE_CHECKING:
+    from vcpo.train.signals import StopSignals
+
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
 Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.lr=1e-4 async.mode=sync")]
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from vcpo.config import ConfigError
-    from vcpo.models.loading import ModelLoadError
-    from vcpo.plots import PlotError
-    from vcpo.tasks.base import TaskError
-    from vcpo.train.checkpoint import CheckpointError
-
-    return ConfigError, ModelLoadError, TaskError, CheckpointError, PlotError
-
-
-def _fail(exc: BaseException) -> None:
+def _fail(exc: BaseException, code: int = 2) -> None:
     print(f"error: {exc}", file=sys.stderr)  # one line, never wrapped
-    raise typer.Exit(2)
+    raise typer.Exit(code)
+
+
+def _quiet_libraries() -> None:
+    """After the cheap checks: the heavy import, with transformers' progress bars off (ours is the one that matters)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _load(config: Path | None, overrides: list[str] | None, resume: Path | None = None):
@@ -54,7 +59,11 @@ def sft(
     = None,
 ) -> None:
     """Warm-start the embedded default model by supervised fine-tuning (cached), and report accuracy."""
+    from vcpo.errors import UserError
+
     try:
+        cfg = _load(config, overrides)
+        _quiet_libraries()
         import shutil
 
         import torch
@@ -65,7 +74,6 @@ def sft(
         from vcpo.tasks import make_task
         from vcpo.train.sft import evaluate_accuracy, warm_start
 
-        cfg = _load(config, overrides)
         torch.set_num_threads(cfg.runtime.torch_threads)
         path = warm_start(cfg)
         model, tokenizer = load_policy(path, cfg.model.dtype, resolve_device(cfg.model.device))
@@ -78,7 +86,7 @@ def sft(
             path = Path(shutil.copytree(path, save))
         console.print(f"warm-started model: {path} (hash {warm_start_hash(path)})\n"
                       f"held-out greedy accuracy: {acc:.3f}")
-    except (*_user_errors(), FileExistsError) as exc:
+    except (UserError, FileExistsError) as exc:
         _fail(exc)
 
 
@@ -88,23 +96,49 @@ def train(
     overrides: Overrides = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="Continue the run in this directory.")] = None,
 ) -> None:
-    """Train with RL: `vcpo train -c CONFIG.yaml [key.path=value ...] [--resume RUN_DIR]`."""
+    """Train with RL: `vcpo train -c CONFIG.yaml [key.path=value ...] [--resume RUN_DIR]`.
+
+    SIGTERM or SIGINT: the run checkpoints its last finished step and exits 143 or 130 (a second one exits at once).
+    """
+    from vcpo.train.signals import StopSignals
+
     try:
-        from vcpo.orchestration.base import BackendError
-        from vcpo.train.trainer import train as run_training
+        with StopSignals() as signals:  # from the start: a signal during the heavy imports ends the command cleanly
+            _train(config, overrides, resume, signals)
+    finally:  # the command is over: a late signal must not turn its exit status into a kill
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def _train(config: Path | None, overrides: list[str] | None, resume: Path | None, signals: StopSignals) -> None:
+    from vcpo.errors import RunFailed, RunInterrupted, UserError, signal_name
+    from vcpo.train.signals import ForcedExit, StopRequested
+
+    try:
+        from vcpo.train.run_dir import check_start
 
         cfg = _load(config, overrides, resume)
-        try:
-            summary = run_training(cfg, resume=resume is not None)
-        except BackendError as exc:  # not the user's doing: one line, exit 1 (finished steps are checkpointed)
-            print(f"error: {exc}", file=sys.stderr)
-            raise typer.Exit(1) from None
-        console.print(
-            f"held-out accuracy: {summary['initial_accuracy']:.3f} before RL -> {summary['final_accuracy']:.3f} "
-            f"after {summary['steps']} steps ({summary['wall_time_s']:.0f} s); run: {summary['run_dir']}"
-        )
-    except _user_errors() as exc:
+        check_start(cfg, resume=resume is not None)  # all before the heavy import below
+        with signals.interruptible():
+            _quiet_libraries()
+            from vcpo.train.health import describe
+            from vcpo.train.trainer import train as run_training
+        summary = run_training(cfg, resume=resume is not None, signals=signals)
+        console.print(describe(summary), markup=False, highlight=False, soft_wrap=True)
+    except UserError as exc:
         _fail(exc)
+    except RunFailed as exc:
+        _fail(exc, code=1)
+    except RunInterrupted as exc:
+        print(exc, file=sys.stderr)
+        raise typer.Exit(exc.exit_code) from None
+    except StopRequested:
+        print(f"interrupted by {signal_name(signals.signum)} before the run started; nothing was written",
+              file=sys.stderr)
+        raise typer.Exit(128 + signals.signum) from None
+    except ForcedExit as exc:  # a second signal while the first one's checkpoint was being written
+        print(f"exited at once on a second {signal_name(exc.signum)}", file=sys.stderr)
+        raise typer.Exit(128 + exc.signum) from None
 
 
 @app.command("eval")
@@ -114,31 +148,39 @@ def evaluate(
     overrides: Overrides = None,
 ) -> None:
     """Greedy accuracy of a model on the held-out split of the configured task."""
+    from vcpo.errors import UserError
+
     try:
+        from vcpo.models.files import check_model_dir
+
+        cfg = _load(config, overrides)
+        check_model_dir(model_path)
+        _quiet_libraries()
         from vcpo.models.loading import load_policy
         from vcpo.runtime import resolve_device
         from vcpo.tasks import make_task
         from vcpo.train.sft import evaluate_accuracy
 
-        cfg = _load(config, overrides)
         model, tokenizer = load_policy(model_path, cfg.model.dtype, resolve_device(cfg.model.device))
         task = make_task(cfg.task)
         acc = evaluate_accuracy(model, tokenizer, task, task.problems("eval", cfg.task.eval_size, seed=cfg.seed),
                                 cfg.rollout.max_new_tokens, lm_head_fp32=cfg.model.lm_head_fp32)
         print(json.dumps({"model": str(model_path), "task": cfg.task.name, "eval/accuracy": acc}))
-    except _user_errors() as exc:
+    except UserError as exc:
         _fail(exc)
 
 
 @app.command()
 def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory holding metrics.jsonl.")]) -> None:
     """Write PNG figures (reward, eval accuracy, ESS ratio, grad norm, staleness, LR scale) of a run."""
+    from vcpo.errors import UserError
+
     try:
         from vcpo.plots import plot_run
 
         paths = plot_run(run_dir)
         console.print("wrote " + ", ".join(str(p) for p in paths))
-    except _user_errors() as exc:
+    except UserError as exc:
         _fail(exc)
 
 
@@ -169,6 +211,7 @@ def sweep(
                                                     "of the grid, e.g. w0 (default: all).")] = None,
 ) -> None:
     """Run a grid of (warm start x seed x arm x staleness k) in lagged mode: `vcpo sweep --grid study2 --out DIR`."""
+    from vcpo.errors import UserError
     from vcpo.study.grids import GRIDS
     from vcpo.study.sweep import SweepError, run_sweep
 
@@ -184,6 +227,7 @@ def sweep(
                 raise SweepError(f"--warm-starts: {unknown[0]!r} is not a warm start of grid {name!r} "
                                  f"(it has: {', '.join(pins) or 'none'})")
             pins = {w: pins[w] for w in warm_starts.split(",")}
+        _quiet_libraries()
         results = run_sweep(
             config or Path(preset.base_config), out, arms=arms.split(",") if arms else preset.arms,
             ks=_int_list("--ks", ks) or preset.ks, seeds=_int_list("--seeds", seeds) or preset.seeds,
@@ -193,7 +237,7 @@ def sweep(
         failed = [r["cell"] for r in results if r["status"] != "done"]
         console.print(f"{len(results) - len(failed)} of {len(results)} cells done; results in {out / 'results.jsonl'}"
                       + (f"; failed: {', '.join(failed)} (see error.txt in each)" if failed else ""))
-    except (*_user_errors(), SweepError) as exc:
+    except (UserError, SweepError) as exc:
         _fail(exc)
 
 
@@ -206,11 +250,12 @@ def rerun(
                                                "(its hash must match).")] = None,
 ) -> None:
     """Train a committed study cell again and compare its metrics with the committed ones (exit 1 if they differ)."""
+    from vcpo.errors import UserError
     from vcpo.study.rerun import RerunError, rerun_cell
 
     try:
         result = rerun_cell(cell_dir, out, steps=steps, model=model)
-    except (*_user_errors(), RerunError) as exc:
+    except (UserError, RerunError) as exc:
         _fail(exc)
     digest = result.get("digest")
     verdict = "identical" if result["identical"] else "DIFFERENT"
@@ -226,19 +271,16 @@ def rerun(
 @app.command()
 def report(sweep_dir: Annotated[Path, typer.Argument(help="A directory written by `vcpo sweep`.")]) -> None:
     """Write REPORT.md and PNG figures for a sweep: tables, collapse, early warning, claims checked."""
-    from vcpo.metrics import MetricsError
+    from vcpo.errors import UserError
     from vcpo.study.report import ReportError, write_report
 
     try:
         console.print(f"wrote {write_report(sweep_dir)}")
-    except (*_user_errors(), ReportError, MetricsError) as exc:
+    except (UserError, ReportError) as exc:
         _fail(exc)
 
 
 def main() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own progress display is the one that matters
     try:
         app()
     except KeyboardInterrupt:

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from vcpo.config import Config
-from vcpo.orchestration.async_local import WorkerSpec
 from vcpo.orchestration.ray.session import RaySession
+from vcpo.orchestration.worker import WorkerSpec
 
 
 class RayBackend:

@@ -24,8 +24,10 @@ from vcpo.types import Batch
 
 
 class LearnerActor:
-    """One rank: its own copy of the policy and optimizer; ``step`` and the control calls run in separate
-    threads, so a checkpoint can read the optimizer state while the step thread waits in a collective."""
+    """One rank: its own copy of the policy and optimizer. ``step`` and the control calls run in separate threads,
+    so a checkpoint can ask a rank for its optimizer state after another rank died: the state is read between
+    steps (under ``lock``), and a step whose peer died ends at once (gloo sees the closed connection; a peer that
+    hangs instead is released by the collectives' timeout, ``ray.timeout_s``)."""
 
     def __init__(self, config_tree: dict, model_path: str, rank: int, world_size: int) -> None:
         from vcpo.models.loading import load_policy
@@ -36,7 +38,7 @@ class LearnerActor:
         device = resolve_device(self.config.model.device)
         self.model, _ = load_policy(model_path, self.config.model.dtype, device)
         self.rank, self.world_size = rank, world_size
-        self.lock = threading.Lock()  # the optimizer step against a concurrent read of its state
+        self.lock = threading.Lock()  # a whole step (or load) against a concurrent read of the optimizer state
         self.learner = None
 
     @ray.method(concurrency_group="control")
@@ -69,14 +71,16 @@ class LearnerActor:
             self.learner.version = version
 
     @ray.method(concurrency_group="step")
-    def step(self, batch: Batch) -> tuple[dict[str, float], list | None]:
-        """One optimizer step on the global batch; rank 0 also returns [ref] of the new weights in the store."""
-        metrics = self.learner.step(batch)  # its collectives run before AdamW's step, which no rank takes alone
+    def step(self, batch: Batch) -> tuple[dict[str, float], list | None, str | None]:
+        """One optimizer step on the global batch (skipped on every rank alike when a global statistic is not
+        finite); rank 0 also returns [ref] of the new weights in the store."""
+        with self.lock:
+            metrics = self.learner.step(batch)
         if self.rank != 0:
-            return metrics, None
+            return metrics, None, self.learner.skip_reason
         t0 = time.perf_counter()
         ref = ray.put(host_state_dict(self.model))
-        return metrics | {"time/weight_put_s": time.perf_counter() - t0}, [ref]
+        return metrics | {"time/weight_put_s": time.perf_counter() - t0}, [ref], self.learner.skip_reason
 
     @ray.method(concurrency_group="control")
     def optimizer_state(self) -> tuple[int, dict[str, Any]]:
@@ -118,6 +122,7 @@ class LearnerGroup:
         self.model, self.config, self.board, self.timeout_s = model, config, board, rc.timeout_s
         self.device = next(model.parameters()).device
         self.version = 0
+        self.skip_reason: str | None = None
         self.synced_version: int | None = None  # the version the ranks' weights are known to match
         self.optimizer = _OptimizerProxy(self)
         actor_cls = ray.remote(concurrency_groups={"step": 1, "control": 1})(LearnerActor)
@@ -160,7 +165,7 @@ class LearnerGroup:
         t0 = time.perf_counter()
         batch_ref = ray.put(batch)  # once, whatever the number of ranks
         results = self._call([a.step.remote(batch_ref) for a in self.actors], f"learner step {self.version + 1}")
-        metrics, ref = results[0]
+        metrics, ref, self.skip_reason = results[0]
         t1 = time.perf_counter()
         with torch.no_grad():
             for key, value in get(ref[0], self.timeout_s, "the new weights").items():

@@ -14,11 +14,11 @@ from typing import Any
 import ray
 import torch
 
-from vcpo.orchestration.async_local import WorkerSpec, build_worker
 from vcpo.orchestration.base import BackendError, generator_for
 from vcpo.orchestration.ray.session import get
 from vcpo.orchestration.ray.weights import WeightBoard
 from vcpo.orchestration.staleness import StalenessController
+from vcpo.orchestration.worker import WorkerSpec, build_worker
 from vcpo.types import Trajectory
 
 REQUESTS_PER_ACTOR = 2  # one generating, one queued: an actor never idles while the driver trains
