@@ -94,18 +94,20 @@ def _run_in_background(args: list[str], log: Path) -> subprocess.Popen:
 
 
 def test_two_actors_two_learners_through_the_cli_a_learner_killed_and_resumes(cluster, tmp_path):
-    """A local run's checkpoint resumed on Ray (2 rollout actors, 2 learner ranks), a learner killed mid-run (one
-    line, exit 1, every finished step checkpointed), that Ray checkpoint resumed locally."""
+    """A local run's checkpoint (sync mode: no worker process to start) resumed on Ray (2 rollout actors, 2 learner
+    ranks), a learner killed mid-run (one line, exit 1, every finished step checkpointed), that Ray checkpoint
+    resumed locally."""
     run = tmp_path / "run"
     k = 1
     # No warm start (sft.steps=0): the plumbing is under test, not learning.
     common = ["-c", "configs/quickstart.yaml", f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=0",
               "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "task.eval_size=8",
               "trainer.eval_every=0", "trainer.checkpoint_every=2", "logging.progress=false", "trainer.lr=1e-3",
-              "async.mode=async", f"async.max_staleness={k}", "async.inflight_updates=true"]
-    vcpo("train", *common, f"run_dir={run}", "trainer.max_steps=2")
+              f"async.max_staleness={k}", "async.inflight_updates=true"]
+    vcpo("train", *common, f"run_dir={run}", "trainer.max_steps=2", "async.mode=sync")  # local, no worker process
     log = tmp_path / "stderr.txt"
-    proc = _run_in_background(["train", "--resume", str(run), "trainer.max_steps=200", "async.backend=ray",
+    proc = _run_in_background(["train", "--resume", str(run), "trainer.max_steps=200", "async.mode=async",
+                               "async.backend=ray",
                                "async.num_workers=2", "trainer.num_learners=2", "ray.timeout_s=60",
                                f"ray.address={cluster}"], log)
     try:
@@ -130,7 +132,7 @@ def test_two_actors_two_learners_through_the_cli_a_learner_killed_and_resumes(cl
     assert saved == len(lines) >= 5  # every finished step was checkpointed when the learner died
 
     vcpo("train", "--resume", str(run), f"trainer.max_steps={saved + 1}", "async.backend=local",
-         "trainer.num_learners=1")
+         "trainer.num_learners=1", "async.mode=sync")
     lines = metrics(run)
     assert [m["step"] for m in lines] == list(range(1, saved + 2)) and "time/weight_sync_s" not in lines[-1]
     assert json.loads((run / "summary.json").read_text())["steps"] == saved + 1
