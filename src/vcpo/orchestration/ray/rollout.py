@@ -49,10 +49,13 @@ class RolloutActor:
             if self.offered is None or version > self.offered[0]:
                 self.offered = (version, ref[0])
 
-    def poll(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The newest offered weights if the engine does not have them yet (fetched once per version)."""
+    def pause(self) -> None:
         if self.jitter:
             time.sleep(self.rng.uniform(0, self.jitter))
+
+    def poll(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest offered weights if the engine does not have them yet (fetched once per version)."""
+        self.pause()
         with self.lock:
             offered = self.offered
         if offered is None or offered[0] == self.engine.version:
@@ -74,7 +77,7 @@ class RolloutActor:
         groups = collect_groups(
             self.engine, self.tokenizer, self.task, [self.stream.group(i) for i in indices], indices,
             self.spec.group_size, self.spec.sampling, generator_for(self.spec.seed, indices[0]),
-            weight_poll=self.poll if self.spec.inflight_updates or self.jitter else None,
+            weight_poll=self.poll if self.spec.inflight_updates else (lambda: self.pause()) if self.jitter else None,
         )
         loads, self.load_s = self.load_s, []
         return groups, {"weight_loads": len(loads), "weight_load_s": sum(loads)}
@@ -148,6 +151,10 @@ class RaySource:
             groups, stats = ray.get(done[0])
         except ray.exceptions.ActorDiedError:
             raise self._gone(actor) from None
+        except ray.exceptions.RayTaskError as exc:  # the actor lives but its request raised (e.g. a weight fetch)
+            cause = str(exc.cause).strip().splitlines()
+            raise BackendError(f"rollout actor {actor} failed: {type(exc.cause).__name__}: "
+                               f"{cause[0][:200] if cause else ''}") from None
         except ray.exceptions.ActorUnavailableError:
             if life == self.lives[actor]:  # the first request to fail with this death: Ray restarts the actor
                 self.lives[actor] += 1
