@@ -20,9 +20,11 @@ import torch
 from rich.console import Console
 
 from vcpo.config import Config
+from vcpo.envs.multiturn import is_multiturn
 from vcpo.models import default as default_model
 from vcpo.models.loading import load_policy
 from vcpo.rollout.engine import HFRolloutEngine
+from vcpo.rollout.episodes import run_episodes
 from vcpo.runtime import resolve_device
 from vcpo.tasks import Task, make_task, score_completions
 from vcpo.types import Problem, SamplingParams
@@ -101,7 +103,9 @@ def _build_and_train(config: Config, task: Task, out_dir: Path, say: Any) -> dic
     model, tokenizer = load_policy(out_dir, device=resolve_device(config.model.device))
     start = time.perf_counter()
     problems = task.problems("train", config.sft.steps * config.sft.batch_size, seed)
-    losses = train_sft(model, tokenizer, problems, config.sft.steps, config.sft.batch_size, config.sft.lr, say)
+    demonstration = task.demonstration if is_multiturn(task) else None
+    losses = train_sft(model, tokenizer, problems, config.sft.steps, config.sft.batch_size, config.sft.lr, say,
+                       demonstration=demonstration)
     train_s = time.perf_counter() - start
     eval_problems = task.problems("eval", config.task.eval_size, seed)
     accuracy = evaluate_accuracy(model, tokenizer, task, eval_problems, config.rollout.max_new_tokens)
@@ -122,8 +126,11 @@ def train_sft(
     batch_size: int,
     lr: float,
     say: Any = console.print,
+    demonstration: Any = None,
 ) -> list[float]:
-    """Teacher-forced fine-tuning on ``prompt + answer + EOS``, loss on the answer and EOS tokens only.
+    """Teacher-forced fine-tuning on ``prompt + answer + EOS``, loss on the answer and EOS tokens only; with
+    ``demonstration`` (a multi-turn task's, see ``MultiTurnEnv.demonstration``) on its solved episodes instead,
+    loss on the model's turns (each followed by EOS) only, never on the environment's observations.
 
     Step ``s`` uses ``problems[s*batch_size:(s+1)*batch_size]``; AdamW, learning rate warmed up linearly
     over the first 5% of steps, then constant. Constant rather than annealed on purpose: annealing to
@@ -145,7 +152,8 @@ def train_sft(
     start = time.perf_counter()
     for step in range(steps):
         chunk = problems[step * batch_size : (step + 1) * batch_size]
-        input_ids_BS, attention_mask_BS, labels_BS = (t.to(device) for t in _teacher_forcing_batch(tokenizer, chunk))
+        input_ids_BS, attention_mask_BS, labels_BS = (
+            t.to(device) for t in _teacher_forcing_batch(tokenizer, chunk, demonstration))
         loss = model(input_ids=input_ids_BS, attention_mask=attention_mask_BS, labels=labels_BS).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -159,15 +167,26 @@ def train_sft(
     return losses
 
 
-def _teacher_forcing_batch(tokenizer: Any, problems: list[Problem]) -> tuple[torch.Tensor, ...]:
-    """Right-padded ``prompt + answer + EOS`` ids, their attention mask, and labels masked to the answer."""
-    prompts = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
-    answers = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
+def _segments(problem: Problem, demonstration: Any) -> list[tuple[str, bool]]:
+    """The text segments of one example, each marked True when the model writes it (then EOS follows)."""
+    return [(problem.prompt, False), *(demonstration(problem) if demonstration else [(problem.answer, True)])]
+
+
+def _teacher_forcing_batch(tokenizer: Any, problems: list[Problem], demonstration: Any = None
+                           ) -> tuple[torch.Tensor, ...]:
+    """Right-padded example ids (prompt, then the answer + EOS or a demonstration's segments), their attention
+    mask, and labels masked to the model's own segments and their EOS."""
     rows, label_rows = [], []
-    for prompt_ids, answer_ids in zip(prompts, answers, strict=True):
-        answer_ids = [*answer_ids, tokenizer.eos_token_id]
-        rows.append(prompt_ids + answer_ids)
-        label_rows.append([IGNORE_INDEX] * len(prompt_ids) + answer_ids)
+    for problem in problems:
+        row, labels = [], []
+        for text, by_model in _segments(problem, demonstration):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if by_model:
+                ids = [*ids, tokenizer.eos_token_id]
+            row += ids
+            labels += ids if by_model else [IGNORE_INDEX] * len(ids)
+        rows.append(row)
+        label_rows.append(labels)
     S = max(len(r) for r in rows)
     input_ids_BS = torch.full((len(rows), S), tokenizer.pad_token_id, dtype=torch.long)
     attention_mask_BS = torch.zeros((len(rows), S), dtype=torch.long)
@@ -192,6 +211,17 @@ def greedy_completions(
     return [tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in generations]
 
 
+@torch.no_grad()
+def greedy_episodes(model: Any, tokenizer: Any, task: Any, problems: list[Problem], max_new_tokens: int,
+                    lm_head_fp32: bool = False) -> list[Any]:
+    """Greedy multi-turn episodes of ``problems`` (a ``MultiTurnEnv`` task), through the rollout engine."""
+    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                             lm_head_fp32=lm_head_fp32)
+    prompt_ids = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+    return run_episodes(engine, tokenizer, task, problems, prompt_ids, SamplingParams(max_new_tokens=max_new_tokens),
+                        greedy=True)
+
+
 def evaluate_accuracy(
     model: Any, tokenizer: Any, task: Task, problems: list[Problem], max_new_tokens: int, batch_size: int = 64,
     lm_head_fp32: bool = False,
@@ -200,6 +230,7 @@ def evaluate_accuracy(
     (``lm_head_fp32``: the logits in float32, as in training with that option).
 
     Partial credit (some reasoning-gym scorers give it) does not count as correct here.
+    A multi-turn task is evaluated on greedy episodes (``max_new_tokens`` per turn), scored by its environment.
     """
     if not problems:
         return 0.0
@@ -208,6 +239,10 @@ def evaluate_accuracy(
     correct = 0
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
+        if is_multiturn(task):
+            correct += sum(e.reward == 1.0 for e in greedy_episodes(model, tokenizer, task, chunk, max_new_tokens,
+                                                                   lm_head_fp32))
+            continue
         completions = greedy_completions(model, tokenizer, [p.prompt for p in chunk], max_new_tokens, lm_head_fp32)
         correct += sum(o.reward == 1.0 for o in score_completions(task, chunk, completions))
     model.train(was_training)
