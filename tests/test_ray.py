@@ -122,7 +122,9 @@ def test_two_actors_two_learners_through_the_cli_a_learner_killed_and_resumes(cl
     finally:
         proc.kill()
     last = log.read_text().strip().splitlines()[-1]
-    assert last.startswith("error: stopped at step") and "learner rank" in last and "died" in last, last
+    # The killed rank's death or, when gloo reports it first, its peer's failed collective: either way one line.
+    assert last.startswith("error: stopped at step") and "learner rank" in last, last
+    assert "died" in last or "Connection reset by peer" in last or "Connection closed by peer" in last, last
     lines = metrics(run)
     assert [m["step"] for m in lines] == list(range(1, len(lines) + 1))
     for m in lines:
