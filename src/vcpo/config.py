@@ -168,6 +168,8 @@ class TrainerConfig(_Strict):
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them (Hugging Face's
     activation checkpointing); the fast OPOB capture pass keeps its activations regardless."""
+    num_learners: int = Field(1, gt=0)
+    """Data-parallel learner ranks (Ray actors in one torch.distributed group; needs async.backend=ray)."""
 
 
 class ReplayConfig(_Strict):
@@ -203,12 +205,31 @@ class AsyncConfig(_Strict):
     """A rollout worker that dies is restarted (its groups re-issued) this many times in all, then the run stops."""
     handoff_timeout_s: float = Field(300.0, gt=0)
     """The longest the learner waits on a worker: for a weight lock, or for any group while it holds some."""
+    backend: Literal["local", "ray"] = "local"
+    """Where async mode's rollout workers and the learner run: local processes, or Ray actors (docs/ray.md)."""
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
 
     def generation_bound(self) -> int:
         """The staleness bound handed to the rollout source: replay's generation_lag when set, else k."""
         lag = self.replay.generation_lag
         return lag if self.replay.enabled and lag is not None else self.max_staleness
+
+
+class RayConfig(_Strict):
+    """The Ray backend (async.backend=ray, docs/ray.md); ignored otherwise."""
+
+    address: str | None = None
+    """None = start a local Ray instance for the run (bound to localhost); ``auto`` or HOST:PORT joins a cluster."""
+    num_cpus: int | None = Field(None, gt=0)
+    """CPUs of the local instance; None = what the actors ask for (workers' plus learners')."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Limit on every remote call (actor start, a rollout request, a learner step, a collective)."""
+    max_restarts: int = Field(2, ge=0)
+    """Times Ray restarts a dead rollout actor (its in-flight groups are re-issued); learners are not restarted."""
+    worker_num_cpus: float = Field(1.0, ge=0)
+    worker_num_gpus: float = Field(0.0, ge=0)
+    learner_num_cpus: float = Field(1.0, ge=0)
+    learner_num_gpus: float = Field(0.0, ge=0)
 
 
 class RuntimeConfig(_Strict):
@@ -233,6 +254,7 @@ class Config(_Strict):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    ray: RayConfig = Field(default_factory=RayConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
@@ -278,6 +300,22 @@ class Config(_Strict):
     def _servers_named(self) -> Config:
         if self.rollout.engine == "server" and not self.rollout.server.urls:
             raise ValueError("rollout.engine=server needs rollout.server.urls (a list of base URLs)")
+        return self
+
+    @model_validator(mode="after")
+    def _backend_fits(self) -> Config:
+        learners = self.trainer.num_learners
+        if self.async_.backend == "ray" and self.async_.mode != "async":
+            raise ValueError(f"async.backend=ray needs async.mode=async (got {self.async_.mode!r})")
+        if self.async_.backend == "ray" and self.rollout.engine == "server":
+            raise ValueError("async.backend=ray with rollout.engine=server is not supported yet: Ray's rollout actors "
+                             "own in-process engines (docs/ray.md)")
+        if learners > 1 and self.async_.backend != "ray":
+            raise ValueError(f"trainer.num_learners={learners} needs async.backend=ray")
+        groups = self.async_.replay.groups_per_step if self.async_.replay.enabled else None
+        if learners > (groups or self.rollout.prompts_per_step):
+            raise ValueError(f"trainer.num_learners={learners} exceeds the groups per step "
+                             f"({groups or self.rollout.prompts_per_step}): each rank trains on whole groups")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,7 +7,13 @@ from typing import Any, Protocol
 
 import torch
 
+from vcpo.errors import RunFailed
 from vcpo.types import Problem, SamplingParams, Trajectory
+
+
+class BackendError(RunFailed):
+    """A rollout or learner backend failed (an actor died for good, a remote call passed its timeout); the message
+    is one line naming what failed and the key that governs it. The trainer checkpoints and the command exits 1."""
 
 
 class RolloutSource(Protocol):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -94,14 +95,15 @@ def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version: A
     sender.close()
 
 
-def _serve(spec: WorkerSpec, shared: dict[str, torch.Tensor], version: Any, tickets: Connection, lock: Any,
-           sender: _Sender) -> None:
+def build_worker(spec: WorkerSpec, version_of: Callable[[], int] | None = None):
+    """A worker's engine (at version -1 until it receives weights), tokenizer, task and problem stream, built in the
+    worker's own process (a local worker, or a Ray rollout actor: vcpo.orchestration.ray.rollout). With inference
+    servers (``spec.server``), ``version_of`` reads the version the learner last published to them."""
     configure_cpu(spec.torch_threads)  # as in the learner's process
     from transformers.utils import logging as hf_logging
 
     from vcpo.config import TaskConfig
     from vcpo.models.loading import load_policy
-    from vcpo.rollout.collect import collect_groups
     from vcpo.rollout.engine import HFRolloutEngine
     from vcpo.tasks import make_task, prepare_scoring
 
@@ -118,9 +120,18 @@ def _serve(spec: WorkerSpec, shared: dict[str, torch.Tensor], version: Any, tick
         from vcpo.models.loading import load_tokenizer
         from vcpo.rollout.server import server_engine
 
+        if version_of is None:
+            raise ValueError("a worker on inference servers needs version_of (the learner's published version)")
         tokenizer = load_tokenizer(spec.model_path)
-        engine = server_engine(ServerConfig(**spec.server), version_of=lambda: int(version.value))
-    stream = ProblemStream(task, spec.seed, spec.prompts_per_step)
+        engine = server_engine(ServerConfig(**spec.server), version_of=version_of)
+    return engine, tokenizer, task, ProblemStream(task, spec.seed, spec.prompts_per_step)
+
+
+def _serve(spec: WorkerSpec, shared: dict[str, torch.Tensor], version: Any, tickets: Connection, lock: Any,
+           sender: _Sender) -> None:
+    from vcpo.rollout.collect import collect_groups
+
+    engine, tokenizer, task, stream = build_worker(spec, version_of=lambda: int(version.value))
 
     def poll() -> tuple[int, dict[str, torch.Tensor]] | None:
         if spec.server is not None or version.value == engine.version:  # a lock-free hint; the copy is locked

@@ -214,8 +214,8 @@ class Learner:
         gives ``coef = dL/dlp``; each micro-batch then backpropagates ``sum coef * lp`` (exact for any objective)."""
         parts = [self.part(trim_padding(batch.rows(rows)), rows, _rows_of(adv_B, rows), False) for rows in plan]
         B, S = batch.input_ids_BS.shape
-        lp_leaf_BS = gather_rows([(p.rows, p.lp_bS) for p in parts], B, S).requires_grad_()
-        out = self.objective(self.inputs(batch, lp_leaf_BS, gather_rows([(p.rows, p.adv_b) for p in parts], B)),
+        lp_leaf_BS = self.gather_rows([(p.rows, p.lp_bS) for p in parts], B, S).requires_grad_()
+        out = self.objective(self.inputs(batch, lp_leaf_BS, self.gather_rows([(p.rows, p.adv_b) for p in parts], B)),
                              **self.objective_kwargs)
         (coef_BS,) = torch.autograd.grad(out.loss, lp_leaf_BS)
         coef_BS = torch.where(batch.response_mask_BS.bool(), coef_BS, torch.zeros_like(coef_BS))
@@ -226,6 +226,11 @@ class Learner:
         if self.single_backward:  # the captures gave the norms only
             parts[0].metrics["opob/second_backward"] = 1.0
         return parts, out
+
+    def gather_rows(self, parts: list[tuple[Tensor, Tensor]], B: int, S: int | None = None) -> Tensor:
+        """The whole batch's [B] (or [B, S]) tensor from the parts' rows: the seam where data-parallel ranks
+        all-gather (vcpo.train.data_parallel)."""
+        return gather_rows(parts, B, S)
 
     def metrics(self, batch: Batch, parts: list[_Part], out: ObjectiveOutput | None) -> dict[str, float]:
         """The step's metrics over the whole ``batch`` (whose rows the parts' ``rows`` index)."""
@@ -239,11 +244,7 @@ class Learner:
         lp_BS, entropy_BS, logw_B, adv_B = t["lp_bS"], t["entropy_bS"], t["logw_b"], t["adv_b"]
         if out is None:  # the objective's diagnostics of the whole batch (no model involved)
             out = self.objective(self.inputs(batch, lp_BS, adv_B), **self.objective_kwargs)
-        metrics: dict[str, float] = {}
-        for p in parts:  # times add up; opob/second_backward is 1 if any part ran one
-            for key, value in p.metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + value if key.startswith("time/") else max(
-                    metrics.get(key, value), value)
+        metrics = merge_part_metrics([p.metrics for p in parts])
         needed_B = t["needed_b"]
         if needed_B is not None:
             metrics["opob/grad_norm_rows_frac"] = float(needed_B.float().mean())
@@ -317,6 +318,16 @@ class Learner:
             return False
         (coef_BS * self.logprobs(batch)).sum().backward()
         return True
+
+
+def merge_part_metrics(dicts: list[dict[str, float]]) -> dict[str, float]:
+    """The parts' own metrics as the whole step's: times add up, anything else (opob/second_backward) is the max."""
+    metrics: dict[str, float] = {}
+    for d in dicts:
+        for key, value in d.items():
+            metrics[key] = metrics.get(key, 0.0) + value if key.startswith("time/") else max(metrics.get(key, value),
+                                                                                            value)
+    return metrics
 
 
 def _rows_of(values_B: Tensor | None, rows: Tensor) -> Tensor | None:

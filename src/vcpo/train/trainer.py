@@ -87,9 +87,9 @@ def tool_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     }
 
 
-def make_source(config: Config, learner: Learner, tokenizer, task, model_path: Path) -> RolloutSource:
+def make_source(config: Config, learner: Learner, tokenizer, task, model_path: Path, backend=None) -> RolloutSource:
     """The run's rollout source: sync, lagged or async, wrapped in TBA's replay buffer when it is on."""
-    source = _generating_source(config, learner, tokenizer, task, model_path)
+    source = _generating_source(config, learner, tokenizer, task, model_path, backend)
     replay = config.async_.replay
     if not replay.enabled:
         return source
@@ -100,7 +100,7 @@ def make_source(config: Config, learner: Learner, tokenizer, task, model_path: P
     return ReplaySource(source, buffer, replay.groups_per_step or config.rollout.prompts_per_step)
 
 
-def _generating_source(config: Config, learner: Learner, tokenizer, task, model_path: Path) -> RolloutSource:
+def _generating_source(config: Config, learner: Learner, tokenizer, task, model_path: Path, backend) -> RolloutSource:
     rc = config.rollout
     sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens)
     mode = config.async_.mode
@@ -118,6 +118,8 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
             handoff_timeout_s=config.async_.handoff_timeout_s,
             server=None if servers is None else rc.server.model_dump(),
         )
+        if backend is not None:  # Ray: rollout actors (vcpo.orchestration.ray)
+            return backend.source(learner.model, spec, start_version=learner.version)
         ac = config.async_
         return AsyncSource(learner.model, spec, ac.num_workers, ac.generation_bound(), ac.drop_older_than,
                            start_version=learner.version, max_restarts=ac.max_worker_restarts,
@@ -178,6 +180,20 @@ def restore(run_dir: Path, learner: Learner) -> tuple[dict[str, Any], Path | Non
 def train(config: Config, resume: bool = False, signals: StopSignals | None = None) -> dict[str, Any]:
     """Run (or resume) the job in ``config.run_dir``; returns the run summary (also in summary.json).
 
+    With ``async.backend: ray`` the run holds a Ray session (started or joined) and its actors are gone after it,
+    however it ends; the loop below does not know which backend it drives.
+    """
+    if config.async_.backend == "local":
+        return _train(config, resume, signals, backend=None)
+    from vcpo.orchestration.ray import RayBackend
+
+    with RayBackend(config) as backend:
+        return _train(config, resume, signals, backend)
+
+
+def _train(config: Config, resume: bool, signals: StopSignals | None, backend) -> dict[str, Any]:
+    """The run on the local backend, or on ``backend``'s learner group and rollout actors.
+
     The model, task and checkpoint are loaded before anything is written to the run directory, and a
     fresh start that fails before its first finished step removes what it wrote. Raises ``RunFailed``
     (non-finite streak, rollout workers lost) and ``RunInterrupted`` (SIGTERM/SIGINT), both after keeping
@@ -194,7 +210,7 @@ def train(config: Config, resume: bool = False, signals: StopSignals | None = No
                 prepare_scoring(task)  # the sandboxed scorer starts while the model loads
                 model_path = warm_start(config)
                 model, tokenizer = load_policy(model_path, config.model.dtype, device)
-                learner = Learner(model, config)
+                learner = Learner(model, config) if backend is None else backend.learner(model, str(model_path))
                 state, ckpt = restore(run.path, learner) if resume else ({}, None)
                 eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
         except StopRequested:
@@ -210,7 +226,8 @@ def train(config: Config, resume: bool = False, signals: StopSignals | None = No
                 if resume:
                     say(f"no checkpoint in {run.path}: starting from step 0")
                 (run.path / METRICS_FILE).unlink(missing_ok=True)
-            return _Job(config, run.path, learner, tokenizer, task, eval_problems, state, signals).run(model_path)
+            return _Job(config, run.path, learner, tokenizer, task, eval_problems, state, signals,
+                        backend).run(model_path)
         except BaseException:
             if learner.version == start_step:
                 run.discard()  # a fresh start with no finished step leaves nothing behind
@@ -221,9 +238,9 @@ class _Job:
     """One process's share of a run: the loop, its checkpoints and its ending (completed, stopped, interrupted)."""
 
     def __init__(self, config: Config, run_dir: Path, learner: Learner, tokenizer: Any, task: Any,
-                 eval_problems: list[Problem], state: dict[str, Any], signals: StopSignals) -> None:
+                 eval_problems: list[Problem], state: dict[str, Any], signals: StopSignals, backend=None) -> None:
         self.config, self.run_dir, self.learner, self.tokenizer, self.task = config, run_dir, learner, tokenizer, task
-        self.eval_problems, self.state, self.signals = eval_problems, state, signals
+        self.eval_problems, self.state, self.signals, self.backend = eval_problems, state, signals, backend
         self.start_step = self.saved_step = self.logged_step = learner.version
         self.health = RunHealth.from_state(state.get("health"))
         self.initial_accuracy: float | None = state.get("initial_accuracy")
@@ -241,7 +258,7 @@ class _Job:
                 with self.signals.interruptible():
                     self.initial_accuracy = self.last_accuracy = self.evaluate()
                 say(f"held-out accuracy before RL: {self.initial_accuracy:.3f}")
-            self.source = make_source(self.config, self.learner, self.tokenizer, self.task, model_path)
+            self.source = make_source(self.config, self.learner, self.tokenizer, self.task, model_path, self.backend)
             if "source" in self.state:
                 self.source.load_state(self.state["source"])
             with (

@@ -1,0 +1,54 @@
+"""What the trainer asks of the Ray backend: a session for the run, the learner group and the rollout source,
+sharing one ``WeightBoard`` so that each version goes into the object store once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vcpo.config import Config
+from vcpo.orchestration.ray.session import RaySession
+from vcpo.orchestration.worker import WorkerSpec
+
+
+class RayBackend:
+    """``with RayBackend(config) as backend:`` Ray is up (or joined) inside, shut down (if started) after; the
+    actors the backend made are killed on the way out whatever happened."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.session = RaySession(config)  # imports Ray, or one line naming the extra
+        self.owned: list[Any] = []
+
+    def __enter__(self) -> RayBackend:
+        self.session.__enter__()
+        from vcpo.orchestration.ray.weights import WeightBoard
+
+        self.board = WeightBoard()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            for part in self.owned:
+                part.close()
+        finally:
+            self.session.__exit__(*exc)
+
+    def learner(self, model: torch.nn.Module, model_path: str):
+        """The learner group (``trainer.num_learners`` ranks) mirrored by ``model`` in the driver."""
+        from vcpo.orchestration.ray.learners import LearnerGroup
+
+        group = LearnerGroup(model, self.config, model_path, self.board)
+        self.owned.append(group)
+        return group
+
+    def source(self, model: torch.nn.Module, spec: WorkerSpec, start_version: int):
+        """The rollout source over ``async.num_workers`` rollout actors."""
+        from vcpo.orchestration.ray.rollout import RaySource
+
+        ac = self.config.async_
+        source = RaySource(model, spec, ac.num_workers, ac.generation_bound(), ac.drop_older_than, start_version,
+                           self.board, self.config.ray)
+        self.owned.append(source)
+        return source

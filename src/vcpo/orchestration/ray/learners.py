@@ -1,0 +1,182 @@
+"""The learner group: ``trainer.num_learners`` Ray actors, data-parallel ranks of one torch.distributed group
+(vcpo.train.data_parallel), behind the ``Learner`` interface the training loop already uses.
+
+The driver keeps a mirror of the policy (evaluation, checkpoints): after each step rank 0 puts the new weights in
+the object store once; the driver loads that object into the mirror and posts it on the ``WeightBoard``, so the
+rollout actors fetch the same object. Every rank holds the same weights and optimizer state (the same all-reduced
+gradient, the same AdamW step), so any live rank can give the state a checkpoint needs."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import ray
+import torch
+
+from vcpo.config import Config, config_from_dict
+from vcpo.orchestration.base import BackendError
+from vcpo.orchestration.ray.session import get
+from vcpo.orchestration.ray.weights import WeightBoard, host_state_dict
+from vcpo.types import Batch
+
+
+class LearnerActor:
+    """One rank: its own copy of the policy and optimizer. ``step`` and the control calls run in separate threads,
+    so a checkpoint can ask a rank for its optimizer state after another rank died: the state is read between
+    steps (under ``lock``), and a step whose peer died ends at once (gloo sees the closed connection; a peer that
+    hangs instead is released by the collectives' timeout, ``ray.timeout_s``)."""
+
+    def __init__(self, config_tree: dict, model_path: str, rank: int, world_size: int) -> None:
+        from vcpo.models.loading import load_policy
+        from vcpo.runtime import configure_cpu, resolve_device
+
+        self.config = config_from_dict(config_tree)
+        configure_cpu(self.config.runtime.torch_threads)
+        device = resolve_device(self.config.model.device)
+        self.model, _ = load_policy(model_path, self.config.model.dtype, device)
+        self.rank, self.world_size = rank, world_size
+        self.lock = threading.Lock()  # a whole step (or load) against a concurrent read of the optimizer state
+        self.learner = None
+
+    @ray.method(concurrency_group="control")
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port for the process group (asked of rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    @ray.method(concurrency_group="step")
+    def join(self, address: str, port: int) -> None:
+        from vcpo.train.data_parallel import DataParallelLearner, init_process_group
+        from vcpo.train.learner import Learner
+
+        if self.world_size == 1:
+            self.learner = Learner(self.model, self.config)
+            return
+        init_process_group(self.rank, self.world_size, address, port, self.config.ray.timeout_s)
+        self.learner = DataParallelLearner(self.model, self.config)
+
+    @ray.method(concurrency_group="step")
+    def load(self, version: int, weights: list, optimizer_state: list) -> None:
+        """Weights (the driver's mirror, e.g. after a resume) and optimizer state, when given, at ``version``."""
+        with self.lock, torch.no_grad():
+            if weights[0] is not None:
+                for key, value in ray.get(weights[0]).items():
+                    self.model.state_dict()[key].copy_(value)
+            if optimizer_state[0] is not None:
+                self.learner.optimizer.load_state_dict(ray.get(optimizer_state[0]))
+            self.learner.version = version
+
+    @ray.method(concurrency_group="step")
+    def step(self, batch: Batch) -> tuple[dict[str, float], list | None, str | None]:
+        """One optimizer step on the global batch (skipped on every rank alike when a global statistic is not
+        finite); rank 0 also returns [ref] of the new weights in the store."""
+        with self.lock:
+            metrics = self.learner.step(batch)
+        if self.rank != 0:
+            return metrics, None, self.learner.skip_reason
+        t0 = time.perf_counter()
+        ref = ray.put(host_state_dict(self.model))
+        return metrics | {"time/weight_put_s": time.perf_counter() - t0}, [ref], self.learner.skip_reason
+
+    @ray.method(concurrency_group="control")
+    def optimizer_state(self) -> tuple[int, dict[str, Any]]:
+        with self.lock:
+            return self.learner.version, self.learner.optimizer.state_dict()
+
+
+class _OptimizerProxy:
+    """What checkpoints see as ``learner.optimizer``: ``state_dict`` from a live rank at the driver's version,
+    ``load_state_dict`` pushed to every rank before the next step."""
+
+    def __init__(self, group: LearnerGroup) -> None:
+        self.group = group
+        self.pending: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        last: BaseException | None = None
+        for rank, actor in enumerate(self.group.actors):  # every rank holds the same state: any live one will do
+            try:
+                version, state = get(actor.optimizer_state.remote(), min(self.group.timeout_s, 30.0),
+                                     f"learner rank {rank}")
+            except (BackendError, ray.exceptions.RayError) as exc:
+                last = exc
+                continue
+            if version == self.group.version:
+                return state
+        raise BackendError(f"no learner rank could give the optimizer state of step {self.group.version} ({last})")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = state
+
+
+class LearnerGroup:
+    """``trainer.num_learners`` learner actors behind the ``Learner`` interface (``step``, ``version``,
+    ``optimizer``, ``model``, ``device``)."""
+
+    def __init__(self, model: torch.nn.Module, config: Config, model_path: str, board: WeightBoard) -> None:
+        rc, n = config.ray, config.trainer.num_learners
+        self.model, self.config, self.board, self.timeout_s = model, config, board, rc.timeout_s
+        self.device = next(model.parameters()).device
+        self.version = 0
+        self.skip_reason: str | None = None
+        self.synced_version: int | None = None  # the version the ranks' weights are known to match
+        self.optimizer = _OptimizerProxy(self)
+        actor_cls = ray.remote(concurrency_groups={"step": 1, "control": 1})(LearnerActor)
+        self.actors = [actor_cls.options(num_cpus=rc.learner_num_cpus, num_gpus=rc.learner_num_gpus,
+                                         max_restarts=0).remote(config.to_dict(), model_path, rank, n)
+                       for rank in range(n)]
+        address, port = get(self.actors[0].rendezvous.remote(), rc.timeout_s, "learner rank 0 (start)")
+        self._call([a.join.remote(address, port) for a in self.actors], "the learner group (process group)")
+
+    def _call(self, refs: list, what: str) -> list:
+        """All ranks' answers; the first rank to fail (a dead actor) ends the wait at once, not at the timeout."""
+        deadline, waiting = time.monotonic() + self.timeout_s, list(refs)
+        try:
+            while waiting:
+                done, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not done:
+                    raise BackendError(f"{what} did not finish within ray.timeout_s={self.timeout_s:g} s")
+                ray.get(done[0])
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as exc:
+            raise BackendError(f"learner rank {refs.index(done[0])} died during {what} "
+                               f"({type(exc).__name__})") from None
+        except ray.exceptions.RayTaskError as exc:  # e.g. a collective that lost its peer
+            cause = str(exc.cause).strip().splitlines()
+            raise BackendError(f"learner rank {refs.index(done[0])} failed during {what}: "
+                               f"{type(exc.cause).__name__}: {cause[0][:200] if cause else ''}") from None
+
+    def _sync(self) -> None:
+        """Before the first step (and after a resume): the driver's weights and optimizer state to every rank."""
+        if self.synced_version == self.version and self.optimizer.pending is None:
+            return
+        weights = ray.put(host_state_dict(self.model))
+        state = None if self.optimizer.pending is None else ray.put(self.optimizer.pending)
+        self._call([a.load.remote(self.version, [weights], [state]) for a in self.actors], "loading the weights")
+        self.optimizer.pending, self.synced_version = None, self.version
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One data-parallel step; the driver's mirror then holds the new weights, posted for the rollout actors."""
+        self._sync()
+        t0 = time.perf_counter()
+        batch_ref = ray.put(batch)  # once, whatever the number of ranks
+        results = self._call([a.step.remote(batch_ref) for a in self.actors], f"learner step {self.version + 1}")
+        metrics, ref, self.skip_reason = results[0]
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            for key, value in get(ref[0], self.timeout_s, "the new weights").items():
+                self.model.state_dict()[key].copy_(value)
+        self.version += 1
+        self.synced_version = self.version
+        self.board.post(self.version, ref[0])
+        return metrics | {"time/learner_group_s": t1 - t0, "time/weight_sync_s": metrics["time/weight_put_s"]
+                          + time.perf_counter() - t1}
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []

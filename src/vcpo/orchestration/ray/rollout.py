@@ -1,0 +1,219 @@
+"""Rollout actors and the driver's ``RaySource``: each actor owns an engine and generates the groups it is sent;
+the driver admits groups under the ``StalenessController`` rules, filters them at batch time, re-issues the groups
+of an actor that died, and offers every new weight version (one object in the object store) to all actors."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import ray
+import torch
+
+from vcpo.orchestration.base import BackendError, generator_for
+from vcpo.orchestration.ray.session import get
+from vcpo.orchestration.ray.weights import WeightBoard
+from vcpo.orchestration.staleness import StalenessController
+from vcpo.orchestration.worker import WorkerSpec, build_worker
+from vcpo.types import Trajectory
+
+REQUESTS_PER_ACTOR = 2  # one generating, one queued: an actor never idles while the driver trains
+
+
+class RolloutActor:
+    """A Ray actor (threaded: rollouts in one thread, weight offers and ``pid`` in another) owning one engine.
+
+    New weights are offered as (version, [ObjectRef]); the actor fetches the newest one from the object store
+    before each request and, with in-flight updates, between decode steps. ``jitter_s`` pauses a random time up
+    to it before each decode step (tests use it to make actors finish out of order)."""
+
+    def __init__(self, spec: WorkerSpec, timeout_s: float, jitter_s: float = 0.0) -> None:
+        self.spec, self.timeout_s, self.jitter = spec, timeout_s, jitter_s
+        self.engine, self.tokenizer, self.task, self.stream = build_worker(spec)
+        self.offered: tuple[int, Any] | None = None
+        self.lock = threading.Lock()
+        self.rng = random.Random(os.getpid())
+        self.load_s: list[float] = []
+
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def offer(self, version: int, ref: list) -> None:
+        with self.lock:
+            if self.offered is None or version > self.offered[0]:
+                self.offered = (version, ref[0])
+
+    def pause(self) -> None:
+        if self.jitter:
+            time.sleep(self.rng.uniform(0, self.jitter))
+
+    def poll(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest offered weights if the engine does not have them yet (fetched once per version)."""
+        self.pause()
+        with self.lock:
+            offered = self.offered
+        if offered is None or offered[0] == self.engine.version:
+            return None
+        t0 = time.perf_counter()
+        state = get(offered[1], self.timeout_s, f"weights of version {offered[0]}")
+        self.load_s.append(time.perf_counter() - t0)
+        return offered[0], state
+
+    @ray.method(concurrency_group="rollout")
+    def generate(self, indices: list[int], version: int, ref: list) -> tuple[list[list[Trajectory]], dict]:
+        """Groups ``indices`` of the problem stream, sampled with at least weights ``version`` (``ref``)."""
+        from vcpo.rollout.collect import collect_groups
+
+        self.offer(version, ref)
+        update = self.poll()
+        if update is not None:
+            self.engine.load_weights(update[1], update[0])
+        groups = collect_groups(
+            self.engine, self.tokenizer, self.task, [self.stream.group(i) for i in indices], indices,
+            self.spec.group_size, self.spec.sampling, generator_for(self.spec.seed, indices[0]),
+            weight_poll=self.poll if self.spec.inflight_updates else (lambda: self.pause()) if self.jitter else None,
+        )
+        loads, self.load_s = self.load_s, []
+        return groups, {"weight_loads": len(loads), "weight_load_s": sum(loads)}
+
+
+class RaySource:
+    """``RolloutSource`` over ``num_workers`` rollout actors; the staleness rules run here, in the driver."""
+
+    def __init__(self, model: torch.nn.Module, spec: WorkerSpec, num_workers: int, max_staleness: int,
+                 drop_older_than: float | None, start_version: int, board: WeightBoard, ray_config,
+                 jitter_s: float = 0.0) -> None:
+        self.model, self.board, self.rc = model, board, ray_config
+        self.P = spec.prompts_per_step
+        self.chunk = max(1, -(-self.P // num_workers))  # groups per request: a step's groups spread over actors
+        self.controller = StalenessController(max_staleness, self.P, drop_older_than)
+        self.controller.set_version(start_version)
+        self.controller.stats.admitted = start_version * self.P  # groups already consumed before a resume
+        self.next_group = start_version * self.P
+        actor_cls = ray.remote(concurrency_groups={"rollout": 1, "control": 1})(RolloutActor)
+        self.actors = [
+            actor_cls.options(
+                num_cpus=ray_config.worker_num_cpus, num_gpus=ray_config.worker_num_gpus,
+                max_restarts=ray_config.max_restarts, max_task_retries=0,
+            ).remote(WorkerSpec(**{**spec.__dict__, "worker_id": i}), ray_config.timeout_s, jitter_s)
+            for i in range(num_workers)
+        ]
+        self.pending: deque[int] = deque()  # admitted group indices not yet sent (re-issued ones first)
+        self.inflight: dict[Any, tuple[int, list[int], int]] = {}  # ref -> (actor, indices, actor's life)
+        self.lives = [0] * num_workers  # how many times each actor was found dead
+        self.probes: dict[Any, int] = {}  # pid() calls to restarting actors -> actor
+        self.ready: deque[list[Trajectory]] = deque()
+        self.stats = {"ray/actor_restarts": 0.0, "ray/reissued_groups": 0.0, "ray/weight_loads": 0.0,
+                      "ray/weight_load_s": 0.0, "time/weight_publish_s": 0.0}
+        self.current: tuple[int, Any] | None = None
+        self.start_version = start_version
+
+    def pids(self) -> list[int]:
+        return get([a.pid.remote() for a in self.actors], self.rc.timeout_s, "rollout actor pid")
+
+    def _admit_and_send(self) -> None:
+        while self.controller.try_admit() is not None:
+            self.pending.append(self.next_group)
+            self.next_group += 1
+        busy = [0] * len(self.actors)
+        for actor, _, _ in self.inflight.values():
+            busy[actor] += 1
+        for i, actor in enumerate(self.actors):
+            while busy[i] < REQUESTS_PER_ACTOR and self.pending and i not in self.probes.values():
+                indices = [self.pending.popleft() for _ in range(min(self.chunk, len(self.pending)))]
+                version, ref = self.current
+                self.inflight[actor.generate.remote(indices, version, [ref])] = (i, indices, self.lives[i])
+                busy[i] += 1
+
+    def _receive(self) -> None:
+        """Wait for one request (or a restarting actor's probe). A request that failed because its actor died goes
+        back to the front of the queue; the actor gets no new request until Ray has restarted it."""
+        done, _ = ray.wait([*self.inflight, *self.probes], num_returns=1, timeout=self.rc.timeout_s)
+        if not done:
+            raise BackendError(f"no rollout request finished within ray.timeout_s={self.rc.timeout_s:g} s")
+        if done[0] in self.probes:
+            actor = self.probes.pop(done[0])
+            try:
+                ray.get(done[0])
+            except ray.exceptions.ActorUnavailableError:  # still restarting: ask again
+                self.probes[self.actors[actor].pid.remote()] = actor
+            except ray.exceptions.ActorDiedError:
+                raise self._gone(actor) from None
+            return
+        actor, indices, life = self.inflight.pop(done[0])
+        try:
+            groups, stats = ray.get(done[0])
+        except ray.exceptions.ActorDiedError:
+            raise self._gone(actor) from None
+        except ray.exceptions.RayTaskError as exc:  # the actor lives but its request raised (e.g. a weight fetch)
+            cause = str(exc.cause).strip().splitlines()
+            raise BackendError(f"rollout actor {actor} failed: {type(exc.cause).__name__}: "
+                               f"{cause[0][:200] if cause else ''}") from None
+        except ray.exceptions.ActorUnavailableError:
+            if life == self.lives[actor]:  # the first request to fail with this death: Ray restarts the actor
+                self.lives[actor] += 1
+                self.stats["ray/actor_restarts"] += 1
+                self.probes[self.actors[actor].pid.remote()] = actor
+            self.pending.extendleft(reversed(indices))
+            self.stats["ray/reissued_groups"] += len(indices)
+            return
+        self.ready.extend(groups)
+        self.stats["ray/weight_loads"] += stats["weight_loads"]
+        self.stats["ray/weight_load_s"] += stats["weight_load_s"]
+
+    def _gone(self, actor: int) -> BackendError:
+        return BackendError(f"rollout actor {actor} died for good: its ray.max_restarts={self.rc.max_restarts} "
+                            f"restarts are used up")
+
+    def next_batch(self, learner_version: int) -> list[Trajectory]:
+        if self.current is None:
+            self.publish(self.model, self.start_version)
+        batch: list[Trajectory] = []
+        kept = 0
+        while kept < self.P:
+            if not self.ready:
+                self._admit_and_send()
+                self._receive()
+                continue
+            group = self.ready.popleft()
+            if self.controller.keep(group, learner_version):
+                batch.extend(group)
+                kept += 1
+        self._admit_and_send()  # the actors work on the next groups while the learner steps
+        return batch
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        """Offer version ``version`` to every actor: the learner group's object when it published one, else one
+        ``ray.put`` of ``model``'s weights; actors fetch it themselves between decode steps."""
+        t0 = time.perf_counter()
+        ref = self.board.ref(version, model)
+        self.current = (version, ref)
+        for actor in self.actors:
+            actor.offer.remote(version, [ref])
+        self.controller.set_version(version)
+        self.stats["time/weight_publish_s"] = time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        s = self.controller.stats
+        out = {"staleness/dropped_over_bound": float(s.dropped_over_bound),
+               "staleness/dropped_alpha": float(s.dropped_alpha)} | self.stats
+        self.stats = dict.fromkeys(self.stats, 0.0) | {"ray/actor_restarts": self.stats["ray/actor_restarts"],
+                                                        "ray/reissued_groups": self.stats["ray/reissued_groups"]}
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {"next_group": self.next_group}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.next_group = int(state.get("next_group", self.next_group))
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []

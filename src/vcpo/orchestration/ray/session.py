@@ -1,0 +1,65 @@
+"""The Ray session of one run: started (locally, bound to localhost) or joined, always shut down, and remote calls
+that end after a timeout in one clear line instead of hanging."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vcpo.config import Config, ConfigError
+from vcpo.orchestration.base import BackendError
+
+
+def import_ray():
+    """Ray, or one line naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError('async.backend=ray needs Ray: pip install -e ".[ray]"') from None
+    return ray
+
+
+class RaySession:
+    """``with RaySession(config):`` a local Ray instance (``ray.address`` null) or the cluster at the address."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.ray = import_ray()
+
+    def num_cpus(self) -> float:
+        """The local instance's CPUs: the configured number, else what the actors ask for."""
+        rc, workers, learners = self.config.ray, self.config.async_.num_workers, self.config.trainer.num_learners
+        if rc.num_cpus is not None:
+            return rc.num_cpus
+        return max(1, int(workers * rc.worker_num_cpus + learners * rc.learner_num_cpus + 0.999))
+
+    def __enter__(self) -> RaySession:
+        rc = self.config.ray
+        quiet = {"include_dashboard": False, "logging_level": logging.ERROR, "log_to_driver": False,
+                 "configure_logging": True}
+        if self.ray.is_initialized():  # a caller (a test, a notebook) already holds a session: use it
+            self.owned = False
+            return self
+        self.owned = True
+        try:
+            if rc.address is None:
+                self.ray.init(num_cpus=self.num_cpus(), _node_ip_address="127.0.0.1", **quiet)
+            else:
+                self.ray.init(address=rc.address, **quiet)
+        except ConnectionError as exc:
+            raise ConfigError(f"ray.address={rc.address!r}: cannot join the Ray cluster ({exc})") from None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.owned:
+            self.ray.shutdown()
+
+
+def get(refs, timeout_s: float, what: str):
+    """``ray.get`` with a deadline: past it, one line naming the call and the key that sets the limit."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise BackendError(f"{what} did not answer within ray.timeout_s={timeout_s:g} s") from None

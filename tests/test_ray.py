@@ -1,0 +1,140 @@
+"""The Ray backend on a local Ray instance (one per module, 4 logical CPUs): the staleness bound across rollout
+actors finishing out of order, a killed rollout actor restarted with its groups re-issued, and through the command
+line 2 rollout actors and 2 learner ranks, a learner killed mid-run (one line, a checkpoint), and resumes from a Ray
+run's checkpoint locally and from a local one on Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_e2e_cli import REQUIRED_KEYS, metrics
+from vcpo.config import RayConfig, TaskConfig, load_config
+from vcpo.models.default import build_default_model
+from vcpo.models.loading import load_policy
+from vcpo.tasks import make_task
+from vcpo.types import SamplingParams
+
+from conftest import ROOT, processes_with, vcpo
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> str:
+    """The local Ray instance a run with ``ray.address: null`` starts (4 CPUs, localhost), kept for the module;
+    command-line runs join it by its address."""
+    from vcpo.orchestration.ray.session import RaySession
+
+    with RaySession(load_config(None, ["async.backend=ray", "ray.num_cpus=4"])) as session:
+        assert session.owned and ray.cluster_resources()["CPU"] == 4
+        yield ray.get_runtime_context().gcs_address
+    assert not ray.is_initialized()
+
+
+def test_bound_holds_across_jittery_actors_and_a_killed_actor_is_restarted(cluster, tmp_path):
+    from vcpo.orchestration.ray.rollout import RaySource
+    from vcpo.orchestration.ray.weights import WeightBoard
+    from vcpo.orchestration.worker import WorkerSpec
+
+    task_config = TaskConfig()
+    path = build_default_model(make_task(task_config), 0, tmp_path / "model")
+    model, _ = load_policy(path, "float32", torch.device("cpu"))
+    spec = WorkerSpec(worker_id=0, model_path=str(path), dtype="float32", device="cpu", lm_head_fp32=False,
+                      task_name=task_config.name, task_kwargs=task_config.kwargs, seed=0, prompts_per_step=4,
+                      group_size=2, sampling=SamplingParams(max_new_tokens=6), inflight_updates=True)
+    k = 1
+    # Up to 20 ms before each decode step: the two actors finish out of order, mid-response weight updates happen.
+    source = RaySource(model, spec, 2, k, None, 0, WeightBoard(), RayConfig(max_restarts=1, timeout_s=120),
+                       jitter_s=0.02)
+    try:
+        seen: set[int] = set()
+        restarted_at = None
+        for version in range(40):  # until the death is seen (Ray reports it within seconds), then 3 steps more
+            batch = source.next_batch(version)
+            assert max(version - v for t in batch for v in t.versions) <= k  # no token ever lags more than k
+            groups = {t.group_id for t in batch}
+            assert len(groups) == 4 and not groups & seen  # whole groups, none trained twice
+            seen |= groups
+            if version == 1:
+                os.kill(source.pids()[0], signal.SIGKILL)
+            with torch.no_grad():  # a new policy each step, so versions matter
+                next(model.parameters()).add_(1e-3)
+            source.publish(model, version + 1)
+            if restarted_at is None and source.stats["ray/actor_restarts"]:
+                restarted_at = version
+            if restarted_at is not None and version >= restarted_at + 3:
+                break
+        m = source.metrics()
+        assert m["ray/actor_restarts"] == 1 and m["ray/reissued_groups"] >= 1  # one death, its groups sent again
+        deadline = time.monotonic() + 120
+        while True:  # the restarted actor answers once its engine is built again
+            try:
+                assert len(set(source.pids())) == 2
+                break
+            except ray.exceptions.ActorUnavailableError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+    finally:
+        source.close()
+
+
+def _run_in_background(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "vcpo.cli", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=log.open("w"))
+
+
+def test_two_actors_two_learners_through_the_cli_a_learner_killed_and_resumes(cluster, tmp_path):
+    """A local run's checkpoint (sync mode: no worker process to start) resumed on Ray (2 rollout actors, 2 learner
+    ranks), a learner killed mid-run (one line, exit 1, every finished step checkpointed), that Ray checkpoint
+    resumed locally."""
+    run = tmp_path / "run"
+    k = 1
+    # No warm start (sft.steps=0): the plumbing is under test, not learning.
+    common = ["-c", "configs/quickstart.yaml", f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=0",
+              "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "task.eval_size=8",
+              "trainer.eval_every=0", "trainer.checkpoint_every=2", "logging.progress=false", "trainer.lr=1e-3",
+              f"async.max_staleness={k}", "async.inflight_updates=true"]
+    vcpo("train", *common, f"run_dir={run}", "trainer.max_steps=2", "async.mode=sync")  # local, no worker process
+    log = tmp_path / "stderr.txt"
+    proc = _run_in_background(["train", "--resume", str(run), "trainer.max_steps=200", "async.mode=async",
+                               "async.backend=ray",
+                               "async.num_workers=2", "trainer.num_learners=2", "ray.timeout_s=60",
+                               f"ray.address={cluster}"], log)
+    try:
+        deadline = time.monotonic() + 300
+        while len(metrics(run)) < 5:  # 3 steps on Ray
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        learners = processes_with("ray::LearnerActor")
+        assert len(learners) == 2
+        os.kill(learners[1], signal.SIGKILL)
+        assert proc.wait(timeout=120) == 1
+    finally:
+        proc.kill()
+    last = log.read_text().strip().splitlines()[-1]
+    # The killed rank's death or, when gloo reports it first, its peer's failed collective: either way one line.
+    assert last.startswith("error: stopped at step") and "learner rank" in last, last
+    assert "died" in last or "Connection reset by peer" in last or "Connection closed by peer" in last, last
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == list(range(1, len(lines) + 1))
+    for m in lines:
+        assert REQUIRED_KEYS <= m.keys() and m["staleness/max"] <= k
+    assert all({"time/weight_sync_s", "ray/actor_restarts"} <= m.keys() for m in lines[2:])  # the Ray steps
+    saved = int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert saved == len(lines) >= 5  # every finished step was checkpointed when the learner died
+
+    vcpo("train", "--resume", str(run), f"trainer.max_steps={saved + 1}", "async.backend=local",
+         "trainer.num_learners=1", "async.mode=sync")
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == list(range(1, saved + 2)) and "time/weight_sync_s" not in lines[-1]
+    assert json.loads((run / "summary.json").read_text())["steps"] == saved + 1

@@ -1,0 +1,48 @@
+"""The Ray backend's configuration, without starting Ray: its keys' one-line errors, Ray imported only when chosen
+and a one-line error naming the extra when it is missing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from vcpo.config import ConfigError, load_config
+
+from conftest import vcpo
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["async.backend=ray", "async.mode=lagged"], "async.backend=ray needs async.mode=async (got 'lagged')"),
+    (["trainer.num_learners=2"], "trainer.num_learners=2 needs async.backend=ray"),
+    (["async.backend=ray", "trainer.num_learners=5", "rollout.prompts_per_step=4"],
+     "trainer.num_learners=5 exceeds the groups per step (4): each rank trains on whole groups"),
+    (["async.backend=spark"], "config key 'async.backend'"),
+    (["ray.timeout_s=0"], "config key 'ray.timeout_s'"),
+])
+def test_bad_backend_settings_are_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+def test_the_cli_exits_2_with_one_line_before_anything_heavy(tmp_path):
+    proc = vcpo("train", "async.mode=sync", "async.backend=ray", f"run_dir={tmp_path / 'r'}", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: async.backend=ray needs async.mode=async (got 'sync')"
+
+
+def test_ray_is_imported_only_when_chosen_and_its_absence_is_one_line():
+    code = ("import sys\n"
+            "import vcpo.train.trainer, vcpo.cli\n"
+            "assert 'ray' not in sys.modules, 'the trainer imported ray'\n"
+            "sys.modules['ray'] = None  # as if the extra were not installed\n"
+            "from vcpo.config import ConfigError, load_config\n"
+            "from vcpo.orchestration.ray.session import RaySession\n"
+            "try:\n"
+            "    RaySession(load_config(None, ['async.backend=ray']))\n"
+            "except ConfigError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == 'async.backend=ray needs Ray: pip install -e ".[ray]"'
