@@ -63,7 +63,8 @@ def sft(
         from vcpo.runtime import resolve_device
         from vcpo.study.provenance import warm_start_hash
         from vcpo.tasks import make_task
-        from vcpo.train.sft import evaluate_accuracy, warm_start
+        from vcpo.train.evaluate import evaluate_accuracy
+        from vcpo.train.sft import warm_start
 
         cfg = _load(config, overrides)
         torch.set_num_threads(cfg.runtime.torch_threads)
@@ -113,7 +114,7 @@ def evaluate(
         from vcpo.models.loading import load_policy
         from vcpo.runtime import resolve_device
         from vcpo.tasks import make_task
-        from vcpo.train.sft import evaluate_accuracy
+        from vcpo.train.evaluate import evaluate_accuracy
 
         cfg = _load(config, overrides)
         model, tokenizer = load_policy(model_path, cfg.model.dtype, resolve_device(cfg.model.device))

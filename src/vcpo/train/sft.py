@@ -1,5 +1,4 @@
-"""Supervised warm start of the embedded default model (``vcpo sft``), cached by its settings, and greedy
-held-out accuracy.
+"""Supervised warm start of the embedded default model (``vcpo sft``), cached by its settings.
 
 RL from a random model would see no reward at all; a short teacher-forced fine-tune on solved training
 problems brings the default policy to partial accuracy, leaving room for RL to improve it.
@@ -22,10 +21,10 @@ from rich.console import Console
 from vcpo.config import Config
 from vcpo.models import default as default_model
 from vcpo.models.loading import load_policy
-from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import resolve_device
-from vcpo.tasks import Task, make_task, score_completions
-from vcpo.types import Problem, SamplingParams
+from vcpo.tasks import Task, make_task
+from vcpo.train.evaluate import evaluate_accuracy
+from vcpo.types import Problem
 
 FORMAT_VERSION = 1  # bump when the model, tokenizer, prompt format or training recipe changes
 IGNORE_INDEX = -100  # label of prompt and padding positions: no loss there
@@ -177,38 +176,3 @@ def _teacher_forcing_batch(tokenizer: Any, problems: list[Problem]) -> tuple[tor
         attention_mask_BS[b, : len(row)] = 1
         labels_BS[b, : len(row)] = torch.tensor(labels)
     return input_ids_BS, attention_mask_BS, labels_BS
-
-
-@torch.no_grad()
-def greedy_completions(
-    model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, lm_head_fp32: bool = False
-) -> list[str]:
-    """Greedy completions of ``prompts``, each cut at its first EOS, decoded by the rollout engine
-    (one decode path for training and evaluation)."""
-    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                             lm_head_fp32=lm_head_fp32)
-    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    generations = engine.generate(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens), greedy=True)
-    return [tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in generations]
-
-
-def evaluate_accuracy(
-    model: Any, tokenizer: Any, task: Task, problems: list[Problem], max_new_tokens: int, batch_size: int = 64,
-    lm_head_fp32: bool = False,
-) -> float:
-    """Greedy accuracy: the fraction of ``problems`` whose greedy completion gets reward exactly 1.0
-    (``lm_head_fp32``: the logits in float32, as in training with that option).
-
-    Partial credit (some reasoning-gym scorers give it) does not count as correct here.
-    """
-    if not problems:
-        return 0.0
-    was_training = model.training
-    model.eval()
-    correct = 0
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i : i + batch_size]
-        completions = greedy_completions(model, tokenizer, [p.prompt for p in chunk], max_new_tokens, lm_head_fp32)
-        correct += sum(o.reward == 1.0 for o in score_completions(task, chunk, completions))
-    model.train(was_training)
-    return correct / len(problems)

@@ -24,8 +24,9 @@ from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu, resolve_device
 from vcpo.tasks import make_task, prepare_scoring
 from vcpo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from vcpo.train.evaluate import evaluate_accuracy
 from vcpo.train.learner import Learner
-from vcpo.train.sft import evaluate_accuracy, warm_start
+from vcpo.train.sft import warm_start
 from vcpo.types import Batch, SamplingParams, Trajectory
 
 console = Console(stderr=True)
