@@ -160,7 +160,7 @@ def test_warm_start_returns_a_given_model_path_unchanged(tmp_path):
 def test_evaluate_accuracy_counts_exact_greedy_matches(model_dir, task):
     model, tok = load_policy(model_dir)
     problems = task.problems("eval", 4, seed=2)
-    greedy = evaluate.greedy_completions(model, tok, [p.prompt for p in problems], max_new_tokens=3)
+    greedy = evaluate.greedy_completions(model, tok, problems, max_new_tokens=3)
 
     class ExactMatch:
         name = "exact"

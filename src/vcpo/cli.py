@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -108,21 +107,29 @@ def evaluate(
     model_path: Annotated[Path, typer.Argument(help="A Hugging Face model directory (e.g. a checkpoint).")],
     config: ConfigOpt = None,
     overrides: Overrides = None,
+    samples: Annotated[int, typer.Option("--samples", min=0, help="Samples per problem for mean@N and pass@N "
+                                         "(0 = greedy only).")] = 8,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, min_open=True,
+                                               help="Sampling temperature of the N samples.")] = 0.8,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, min_open=True,
+                                         help="Nucleus mass of the N samples.")] = 0.7,
+    dataset: Annotated[list[Path] | None, typer.Option("--dataset", help="A JSONL/Parquet file to evaluate on, "
+                                                       "all of it (repeatable); default: the config's task.")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Where to write the JSON report.")] = Path("eval.json"),
 ) -> None:
-    """Greedy accuracy of a model on the held-out split of the configured task."""
+    """Greedy accuracy, mean@N and pass@N (unbiased estimator) of a model per dataset: JSON file and table."""
     try:
-        from vcpo.models.loading import load_policy
-        from vcpo.runtime import resolve_device
-        from vcpo.tasks import make_task
-        from vcpo.train.evaluate import evaluate_accuracy
+        from vcpo.train.eval_report import run_eval, write_report
+        from vcpo.train.evaluate import EvalSettings
 
         cfg = _load(config, overrides)
-        model, tokenizer = load_policy(model_path, cfg.model.dtype, resolve_device(cfg.model.device))
-        task = make_task(cfg.task)
-        acc = evaluate_accuracy(model, tokenizer, task, task.problems("eval", cfg.task.eval_size, seed=cfg.seed),
-                                cfg.rollout.max_new_tokens, lm_head_fp32=cfg.model.lm_head_fp32)
-        print(json.dumps({"model": str(model_path), "task": cfg.task.name, "eval/accuracy": acc}))
-    except _user_errors() as exc:
+        settings = EvalSettings(cfg.rollout.max_new_tokens, samples, temperature, top_p, seed=cfg.seed,
+                                lm_head_fp32=cfg.model.lm_head_fp32)
+        for path in dataset or []:
+            if not path.is_file():
+                raise FileNotFoundError(f"--dataset {str(path)!r} is not a file")
+        write_report(run_eval(cfg, model_path, dataset or [], settings), out, Console())
+    except (*_user_errors(), FileNotFoundError) as exc:
         _fail(exc)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ class WorkerSpec:
     torch_threads: int = 1
     reward_timeout_s: float = 5.0
     reward_workers: int = 1
+    task_options: dict[str, Any] = field(default_factory=dict)  # the rest of TaskConfig (prompt format, reward)
 
 
 def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, lock, tickets, results, stop) -> None:
@@ -58,7 +59,7 @@ def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, l
 
     hf_logging.disable_progress_bar()
     task = make_task(TaskConfig(name=spec.task_name, kwargs=spec.task_kwargs, reward_timeout_s=spec.reward_timeout_s,
-                                reward_workers=spec.reward_workers))
+                                reward_workers=spec.reward_workers, **spec.task_options))
     prepare_scoring(task)  # the sandboxed scorer starts while the model loads
     model, tokenizer = load_policy(spec.model_path, spec.dtype, spec.device)
     engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1,

@@ -6,6 +6,7 @@ import torch
 
 from vcpo.rollout.engine import WeightPoll
 from vcpo.tasks.base import score_completions
+from vcpo.tasks.prompts import encode_prompts
 from vcpo.types import Problem, SamplingParams, Trajectory
 
 
@@ -26,7 +27,7 @@ def collect_groups(
     Returns one list of trajectories per problem (a GRPO group), in the order of ``problems``; each carries its
     reward's status (``ok``, ``error``, ``crash``, ``timeout``), so the step that trains on it can count them.
     """
-    prompt_ids = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
+    prompt_ids = encode_prompts(tokenizer, problems)  # once: these ids are sampled from and trained on
     flat_prompts = [ids for ids in prompt_ids for _ in range(group_size)]
     generations = engine.generate(flat_prompts, sampling, weight_poll=weight_poll, generator=generator)
     texts = [tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in generations]

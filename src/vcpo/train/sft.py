@@ -23,6 +23,7 @@ from vcpo.models import default as default_model
 from vcpo.models.loading import load_policy
 from vcpo.runtime import resolve_device
 from vcpo.tasks import Task, make_task
+from vcpo.tasks.prompts import encode_prompts
 from vcpo.train.evaluate import evaluate_accuracy
 from vcpo.types import Problem
 
@@ -160,7 +161,7 @@ def train_sft(
 
 def _teacher_forcing_batch(tokenizer: Any, problems: list[Problem]) -> tuple[torch.Tensor, ...]:
     """Right-padded ``prompt + answer + EOS`` ids, their attention mask, and labels masked to the answer."""
-    prompts = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+    prompts = encode_prompts(tokenizer, problems)
     answers = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
     rows, label_rows = [], []
     for prompt_ids, answer_ids in zip(prompts, answers, strict=True):

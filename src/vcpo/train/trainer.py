@@ -23,8 +23,10 @@ from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu, resolve_device
 from vcpo.tasks import make_task, prepare_scoring
+from vcpo.tasks.prompts import check_prompt_format
 from vcpo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from vcpo.train.evaluate import evaluate_accuracy
+from vcpo.train.evaluate import EvalSettings
+from vcpo.train.evaluate import evaluate as evaluate_policy
 from vcpo.train.learner import Learner
 from vcpo.train.sft import warm_start
 from vcpo.types import Batch, SamplingParams, Trajectory
@@ -88,6 +90,7 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
             group_size=rc.group_size, sampling=sampling, inflight_updates=config.async_.inflight_updates,
             torch_threads=config.runtime.torch_threads, reward_timeout_s=config.task.reward_timeout_s,
             reward_workers=config.task.reward_workers,
+            task_options=config.task.model_dump(exclude={"name", "kwargs", "reward_timeout_s", "reward_workers"}),
         )
         return AsyncSource(learner.model, spec, config.async_.num_workers, config.async_.generation_bound(),
                            config.async_.drop_older_than, start_version=learner.version)
@@ -115,19 +118,27 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
     if not resume and latest_checkpoint(run_dir) is not None:
         raise ConfigError(f"run_dir {str(run_dir)!r} already holds a run with checkpoints: continue it with "
                           f"--resume {run_dir}, or choose another run_dir")
+    task = make_task(config.task)  # a malformed dataset fails here, before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml")
     seed_everything(config.seed)
-    task = make_task(config.task)
     prepare_scoring(task)  # the sandboxed scorer starts while the model loads
     model_path = warm_start(config)
     model, tokenizer = load_policy(model_path, config.model.dtype, device)
-    learner = Learner(model, config)
     eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
+    check_prompt_format(tokenizer, eval_problems, str(model_path))
+    learner = Learner(model, config)
+
+    tc = config.trainer
+    eval_settings = EvalSettings(config.rollout.max_new_tokens, tc.eval_samples, tc.eval_temperature, tc.eval_top_p,
+                                 seed=config.seed, lm_head_fp32=config.model.lm_head_fp32)
+    eval_metrics: dict[str, float] = {}
 
     def evaluate() -> float:
-        return evaluate_accuracy(model, tokenizer, task, eval_problems, config.rollout.max_new_tokens,
-                                 lm_head_fp32=config.model.lm_head_fp32)
+        """Greedy accuracy; the whole eval dict (mean@N, pass@N with trainer.eval_samples) kept in eval_metrics."""
+        eval_metrics.clear()
+        eval_metrics.update(evaluate_policy(model, tokenizer, task, eval_problems, eval_settings))
+        return eval_metrics["eval/accuracy"]
 
     state: dict[str, Any] = {}
     ckpt = latest_checkpoint(run_dir) if resume else None
@@ -148,7 +159,6 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
     source = make_source(config, learner, tokenizer, task, model_path)
     if "source" in state:
         source.load_state(state["source"])
-    tc = config.trainer
     start = time.perf_counter()
     last_accuracy = state.get("last_accuracy", initial_accuracy)
 
@@ -178,7 +188,8 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
                 elapsed_s = time.perf_counter() - start
                 last = step == tc.max_steps or (tc.max_time_s is not None and elapsed_s >= tc.max_time_s)
                 if last or (tc.eval_every and step % tc.eval_every == 0):
-                    last_accuracy = metrics["eval/accuracy"] = evaluate()
+                    last_accuracy = evaluate()
+                    metrics |= eval_metrics
                 if step == 1:
                     metrics["eval/accuracy_initial"] = initial_accuracy
                 metrics |= {"step": step, "time/rollout_wait_s": t_rollout, "time/step_s": time.perf_counter() - t0}
