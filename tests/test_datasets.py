@@ -49,7 +49,8 @@ def test_field_names_and_answer_format_are_configurable(tmp_path):
 @pytest.mark.parametrize(("content", "message"), [
     ('{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": "#### 2"\n', ":2: not valid JSON"),
     ('{"question": "a", "answer": "#### 1"}\n\n{"answer": "#### 2"}\n', ":3: no field 'question'"),
-    ('{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": "it is 2"}\n', ":2: field 'answer' has no '####"),
+    ('{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": "it is 2"}\n',
+     ":2: field 'answer' has no '####"),
     ('{"problem": "a", "solution": "\\\\boxed{1}"}\n{"problem": "b", "solution": "\\\\boxed{\\\\frac{1}{2}"}\n',
      ":2: field 'solution' has an unbalanced \\boxed{"),
     ('{"problem": "a", "solution": "\\\\boxed{1}"}\n{"problem": "b", "solution": "it is 2"}\n',
@@ -96,7 +97,8 @@ def test_single_file_split_is_by_question_hash_and_epochs_visit_every_record(tmp
     task = DatasetTask("jsonl", path=str(sums_file(tmp_path / "s.jsonl", 40)), eval_fraction=0.25)
     train, held = task.records["train"], task.records["eval"]
     assert len(train) + len(held) == 40 and held
-    assert all(in_eval_split(r.question, 0.25) for r in held) and not any(in_eval_split(r.question, 0.25) for r in train)
+    assert all(in_eval_split(r.question, 0.25) for r in held)
+    assert not any(in_eval_split(r.question, 0.25) for r in train)
     # batches of 4 walk epoch 0's permutation: every train record exactly once in the first len(train) positions
     size = len(train)
     first_epoch = [p.uid for i in range(size) for p in task.stream_batch(i, 1, seed=3)]
@@ -109,7 +111,8 @@ def test_single_file_split_is_by_question_hash_and_epochs_visit_every_record(tmp
 def test_separate_train_and_eval_files(tmp_path):
     task = DatasetTask("jsonl", train_path=str(sums_file(tmp_path / "t.jsonl", 5)),
                        eval_path=str(write_jsonl(tmp_path / "e.jsonl", MATH)))
-    assert len(task.records["train"]) == 5 and [p.answer for p in task.problems("eval", 9, 0)] == ["\\frac{3}{4}", "x=2"]
+    assert len(task.records["train"]) == 5
+    assert [p.answer for p in task.problems("eval", 9, 0)] == ["\\frac{3}{4}", "x=2"]
 
 
 def test_config_checks_dataset_settings_before_anything_runs(tmp_path):

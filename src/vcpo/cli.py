@@ -109,19 +109,20 @@ def evaluate(
     overrides: Overrides = None,
     samples: Annotated[int, typer.Option("--samples", min=0, help="Samples per problem for mean@N and pass@N "
                                          "(0 = greedy only).")] = 8,
-    temperature: Annotated[float, typer.Option("--temperature", min=0.0, min_open=True,
-                                               help="Sampling temperature of the N samples.")] = 0.8,
-    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, min_open=True,
-                                         help="Nucleus mass of the N samples.")] = 0.7,
+    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature of the N samples.")] = 0.8,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus mass of the N samples.")] = 0.7,
     dataset: Annotated[list[Path] | None, typer.Option("--dataset", help="A JSONL/Parquet file to evaluate on, "
                                                        "all of it (repeatable); default: the config's task.")] = None,
     out: Annotated[Path, typer.Option("--out", help="Where to write the JSON report.")] = Path("eval.json"),
 ) -> None:
     """Greedy accuracy, mean@N and pass@N (unbiased estimator) of a model per dataset: JSON file and table."""
     try:
+        from vcpo.config import ConfigError
         from vcpo.train.eval_report import run_eval, write_report
         from vcpo.train.evaluate import EvalSettings
 
+        if not temperature > 0 or not 0 < top_p <= 1:
+            raise ConfigError(f"--temperature must be > 0 and --top-p in (0, 1], got {temperature} and {top_p}")
         cfg = _load(config, overrides)
         settings = EvalSettings(cfg.rollout.max_new_tokens, samples, temperature, top_p, seed=cfg.seed,
                                 lm_head_fp32=cfg.model.lm_head_fp32)

@@ -54,7 +54,9 @@ def check_dataset_kwargs(name: str, kwargs: dict[str, Any]) -> None:
 
 
 def read_rows(path: Path, kind: str) -> list[tuple[str, Any]]:
-    """``(where, row)`` of every record of a JSONL (blank lines skipped) or Parquet file, in file order."""
+    """``(where, row)`` of every record of a JSONL (blank lines skipped) or Parquet file, in file order. A file
+    ending in ``.parquet`` or ``.jsonl`` is read as such whatever ``kind`` (the task's name) says."""
+    kind = {".parquet": "parquet", ".jsonl": "jsonl"}.get(path.suffix, kind)
     if kind == "parquet":
         return _parquet_rows(path)
     rows = []
