@@ -17,14 +17,12 @@ from vcpo.tasks import DatasetTask, PromptFormat, ReasoningGymTask, encode_promp
 from vcpo.tasks.prompts import BOXED_INSTRUCTION, PromptFormatError, check_prompt_format
 from vcpo.types import SamplingParams
 
-# A small Jinja chat template in the style of ChatML, written with characters of the embedded tokenizer.
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+from conftest import CHAT_TEMPLATE
 
 
 def template_tokenizer():
     tokenizer = build_char_tokenizer(BASE_CHARACTERS)
-    tokenizer.chat_template = TEMPLATE
+    tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
@@ -83,7 +81,7 @@ def test_trajectories_carry_the_exact_ids_the_engine_sampled_from(sums, tmp_path
     task = DatasetTask("jsonl", PromptFormat("chat"), train_path=str(sums), eval_path=str(sums))
     build_default_model(task, seed=0, out_dir=tmp_path / "m")
     model, tokenizer = load_policy(tmp_path / "m")
-    tokenizer.chat_template = TEMPLATE
+    tokenizer.chat_template = CHAT_TEMPLATE
     problems = task.problems("train", 2, seed=0)
     seen: list[list[int]] = []
     engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)

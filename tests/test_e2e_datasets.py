@@ -10,47 +10,48 @@ import pytest
 
 from vcpo.config import load_config
 from vcpo.models.default import build_default_model
-from vcpo.tasks import DatasetTask
+from vcpo.models.loading import load_policy
+from vcpo.tasks import DatasetTask, PromptFormat
+from vcpo.train.sft import train_sft
 
-from conftest import ROOT, vcpo
-
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+from conftest import CHAT_TEMPLATE, ROOT, vcpo
 
 
 def sums(path: Path, n: int, offset: int = 0) -> Path:
-    """GSM8K-format simple sums with one-digit answers (a random model's last digit is right about 1 time in 10)."""
-    rows = [{"question": f"What is {i % 5} + {(i + offset) % 5}?", "answer": f"{i % 5} + {(i + offset) % 5}\n"
-             f"#### {i % 5 + (i + offset) % 5}"} for i in range(n)]
+    """GSM8K-format sums of two numbers below 5: a few SFT steps teach the tiny model some of them."""
+    rows = [{"question": f"What is {i % 5} + {(i // 5 + offset) % 5}?",
+             "answer": f"{i % 5} + {(i // 5 + offset) % 5}\n#### {i % 5 + (i // 5 + offset) % 5}"} for i in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
-    """A tiny model whose tokenizer has a chat template, train/eval files, and a malformed file."""
+    """A tiny model whose tokenizer has a chat template, fine-tuned for 30 steps on chat prompts of the train file
+    (so math-verify finds right answers in training: about 1 sample in 7 here), train/eval files, a malformed file."""
     root = tmp_path_factory.mktemp("e2e")
-    train, test = sums(root / "train.jsonl", 40), sums(root / "test.jsonl", 6, offset=1)
-    model = build_default_model(DatasetTask("jsonl", train_path=str(train), eval_path=str(test)), 0, root / "model")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(model)
+    train, test = sums(root / "train.jsonl", 25), sums(root / "test.jsonl", 6, offset=2)
+    task = DatasetTask("jsonl", PromptFormat("chat", instruction=""), train_path=str(train), eval_path=str(test))
+    model_dir = build_default_model(task, 0, root / "model")
+    model, tokenizer = load_policy(model_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    train_sft(model, tokenizer, task.problems("train", 30 * 16, seed=0), 30, 16, 3e-3, say=lambda *_: None)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
     bad = root / "bad.jsonl"
     bad.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n{"question": "2 + 2?", "answer": "four"}\n')
-    return {"root": root, "train": train, "test": test, "model": model, "bad": bad}
+    return {"root": root, "train": train, "test": test, "model": model_dir, "bad": bad}
 
 
 def common(files: dict[str, Path]) -> list[str]:
     return [f"model.path={files['model']}", "task.name=jsonl", f"task.kwargs.train_path={files['train']}",
-            f"task.kwargs.eval_path={files['test']}", "task.prompt_format=chat", "task.system_prompt=Be brief.",
+            f"task.kwargs.eval_path={files['test']}", "task.prompt_format=chat", "task.instruction=",
             "rollout.max_new_tokens=8", "runtime.torch_threads=1"]
 
 
 def test_training_steps_on_a_jsonl_file_with_chat_prompts_and_math_rewards(files, tmp_path):
     run = tmp_path / "run"
-    vcpo("train", *common(files), f"run_dir={run}", "async.mode=sync", "trainer.max_steps=3",
+    vcpo("train", *common(files), f"run_dir={run}", "async.mode=async", "async.max_staleness=1", "trainer.max_steps=3",
          "rollout.prompts_per_step=4", "rollout.group_size=8", "trainer.eval_every=0", "trainer.eval_samples=2",
          "logging.progress=false")
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -69,7 +70,7 @@ def test_vcpo_eval_reports_every_dataset_as_json_and_a_table(files, tmp_path):
     report = json.loads(out.read_text())
     assert (report["samples"], report["temperature"], report["top_p"]) == (3, 1.0, 0.7)
     assert list(report["datasets"]) == ["test", "train"]
-    assert report["datasets"]["test"]["problems"] == 6 and report["datasets"]["train"]["problems"] == 40
+    assert report["datasets"]["test"]["problems"] == 6 and report["datasets"]["train"]["problems"] == 25
     for row in report["datasets"].values():
         assert {"accuracy", "mean@3", "pass@3"} <= row.keys() and 0 <= row["mean@3"] <= row["pass@3"] <= 1
     assert "mean@3" in proc.stdout and "pass@3" in proc.stdout and "greedy accuracy" in proc.stdout

@@ -34,7 +34,7 @@ def run_eval(config: Config, model_path: Path, datasets: list[Path], settings: E
     ``task.eval_size`` problems each; returns the report that ``vcpo eval`` writes."""
     task_configs = {path.stem: dataset_task_config(config, path) for path in datasets} or {
         config.task.name: config.task}
-    tasks = {name: make_task(TaskConfig.model_validate(tc.model_dump())) for name, tc in task_configs.items()}
+    tasks = {name: make_task(tc) for name, tc in task_configs.items()}  # a DatasetTask checks its own kwargs
     model, tokenizer = load_policy(model_path, config.model.dtype, resolve_device(config.model.device))
     results: dict[str, Any] = {}
     for name, task in tasks.items():

@@ -56,6 +56,8 @@ def cache_key(config: Config) -> str:
             default_model.INTERMEDIATE_SIZE,
         ],
     }
+    if config.task.instruction:  # it changes the raw prompts trained on; unset keeps every older key unchanged
+        determinants["instruction"] = config.task.instruction
     blob = json.dumps(determinants, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
