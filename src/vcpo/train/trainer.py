@@ -118,16 +118,16 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
     if not resume and latest_checkpoint(run_dir) is not None:
         raise ConfigError(f"run_dir {str(run_dir)!r} already holds a run with checkpoints: continue it with "
                           f"--resume {run_dir}, or choose another run_dir")
+    seed_everything(config.seed)
     task = make_task(config.task)  # a malformed dataset fails here, before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml")
-    seed_everything(config.seed)
     prepare_scoring(task)  # the sandboxed scorer starts while the model loads
     model_path = warm_start(config)
     model, tokenizer = load_policy(model_path, config.model.dtype, device)
+    learner = Learner(model, config)
     eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
     check_prompt_format(tokenizer, eval_problems, str(model_path))
-    learner = Learner(model, config)
 
     tc = config.trainer
     eval_settings = EvalSettings(config.rollout.max_new_tokens, tc.eval_samples, tc.eval_temperature, tc.eval_top_p,
