@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vcpo.models.default import BASE_CHARACTERS, build_char_tokenizer, build_default_model
-from vcpo.models.loading import load_policy
+from vcpo.models.loading import declares_chat_template, load_policy
 from vcpo.rollout.collect import collect_groups
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.tasks import DatasetTask, PromptFormat, ReasoningGymTask, encode_prompts
@@ -98,3 +98,13 @@ def test_trajectories_carry_the_exact_ids_the_engine_sampled_from(sums, tmp_path
                                               tokenize=False) for p in problems]
     assert [tokenizer.decode(t.prompt_ids) for g in groups for t in g] == [e for e in expected for _ in range(2)]
     assert [t.prompt_ids for g in groups for t in g] == seen
+
+
+def test_a_model_directory_says_whether_its_tokenizer_has_a_chat_template(tmp_path):
+    tokenizer = build_char_tokenizer(BASE_CHARACTERS)
+    tokenizer.save_pretrained(tmp_path / "plain")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "chat")
+    assert declares_chat_template(tmp_path / "chat") is True
+    assert declares_chat_template(tmp_path / "plain") is False
+    assert declares_chat_template(tmp_path / "missing") is None  # unknown: loading the model decides

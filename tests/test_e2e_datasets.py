@@ -85,8 +85,9 @@ def test_user_errors_are_one_line_and_write_nothing(files, tmp_path):
     if not plain.exists():
         build_default_model(DatasetTask("jsonl", train_path=str(files["train"]), eval_path=str(files["test"])), 0,
                             plain)
-    proc = vcpo("eval", str(plain), *common(files), "--samples", "0", "--out", str(tmp_path / "e.json"), check=False)
+    proc = vcpo("train", *common(files), f"model.path={plain}", f"run_dir={run}", check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error: task.prompt_format=chat but the tokenizer of")
+    assert proc.stderr.strip().count("\n") == 0 and not run.exists()
 
 
 @pytest.mark.parametrize("name", ["gsm8k", "math"])

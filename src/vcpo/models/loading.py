@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,16 @@ def _ensure_eos_and_pad(tokenizer: Any, model: Any, path: Path) -> None:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+
+
+def declares_chat_template(path: str | Path) -> bool | None:
+    """Whether the tokenizer saved in a model directory has a chat template, read from its files without loading
+    anything (``chat_template.jinja``, or a ``chat_template`` entry in ``tokenizer_config.json``); None when the
+    directory has no ``tokenizer_config.json`` to tell (then loading the tokenizer decides)."""
+    p = Path(path)
+    if (p / "chat_template.jinja").is_file():
+        return True
+    try:
+        return bool(json.loads((p / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -51,11 +51,16 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def missing_chat_template(where: str) -> PromptFormatError:
+    """The error for chat prompts and the tokenizer of ``where`` (a model directory), which has no chat template."""
+    return PromptFormatError(f"task.prompt_format=chat but the tokenizer of {where} has no chat template "
+                             "(set task.prompt_format=raw, or add a chat_template to its tokenizer_config.json)")
+
+
 def check_prompt_format(tokenizer: Any, problems: list[Problem], where: str) -> None:
-    """Raise :class:`PromptFormatError` when a chat-format problem meets a tokenizer without a chat template."""
+    """Raise :func:`missing_chat_template` when a chat-format problem meets a tokenizer without a chat template."""
     if any(p.messages is not None for p in problems) and not has_chat_template(tokenizer):
-        raise PromptFormatError(f"task.prompt_format=chat but the tokenizer of {where} has no chat template "
-                                "(set task.prompt_format=raw, or add a chat_template to its tokenizer_config.json)")
+        raise missing_chat_template(where)
 
 
 def encode_prompt(tokenizer: Any, problem: Problem) -> list[int]:

@@ -17,13 +17,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from vcpo.config import Config, ConfigError, save_config
 from vcpo.metrics import MetricsLogger, truncate_metrics
-from vcpo.models.loading import load_policy
+from vcpo.models.loading import declares_chat_template, load_policy
 from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, RolloutSource, SyncSource
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu, resolve_device
 from vcpo.tasks import make_task, prepare_scoring
-from vcpo.tasks.prompts import check_prompt_format
+from vcpo.tasks.prompts import check_prompt_format, missing_chat_template
 from vcpo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from vcpo.train.evaluate import EvalSettings
 from vcpo.train.evaluate import evaluate as evaluate_policy
@@ -120,6 +120,8 @@ def train(config: Config, resume: bool = False) -> dict[str, Any]:
                           f"--resume {run_dir}, or choose another run_dir")
     seed_everything(config.seed)
     task = make_task(config.task)  # a malformed dataset fails here, before anything is written
+    if config.task.prompt_format == "chat" and declares_chat_template(config.model.path) is False:
+        raise missing_chat_template(config.model.path)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml")
     prepare_scoring(task)  # the sandboxed scorer starts while the model loads
