@@ -8,11 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vcpo.config import ConfigError, load_config
 from vcpo.tasks import DatasetTask, TaskError, make_task
 from vcpo.tasks.dataset_task import in_eval_split
-from vcpo.tasks.records import DatasetError, read_records
+from vcpo.tasks.records import DatasetError, read_records, reference_of
 
 GSM8K = [{"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
          {"question": "A shop sells 1,000 pens a day for 2 days. How many?", "answer": "2 * 1000 = 2000\n#### 2,000"}]
@@ -135,3 +137,14 @@ def test_an_empty_split_and_a_bad_record_are_task_errors(tmp_path):
     config = load_config(None, ["task.name=jsonl", f"task.kwargs.path={sums_file(tmp_path / 'one.jsonl', 1)}"])
     with pytest.raises(TaskError, match="leave the (train|eval) split empty"):
         make_task(config.task)
+
+
+@given(st.integers(-10**9, 10**9), st.text(alphabet=st.characters(blacklist_characters="#\r\n"), max_size=30))
+def test_a_gsm8k_reference_is_the_number_after_the_hashes_whatever_precedes_it(value, working):
+    assert reference_of(f"{working}\n#### {value:,}", "gsm8k", "answer", "f:1") == str(value)
+
+
+@given(st.sets(st.text(min_size=1, max_size=12), min_size=300, max_size=300))
+def test_the_hash_split_holds_out_about_the_fraction_asked(questions):
+    held = sum(in_eval_split(q, 0.2) for q in questions)
+    assert 20 <= held <= 100  # 300 x 0.2 = 60 expected; binomial sd 6.9, so this band is beyond 5 sd
