@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from vcpo.models.default import BASE_CHARACTERS, build_char_tokenizer, build_default_model
-from vcpo.models.loading import declares_chat_template, load_policy
+from vcpo.models.files import declares_chat_template
+from vcpo.models.loading import load_policy
 from vcpo.rollout.collect import collect_groups
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.tasks import DatasetTask, PromptFormat, ReasoningGymTask, encode_prompts

@@ -11,21 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import vcpo
+from conftest import LAGGED, metrics, vcpo
 
 REQUIRED_KEYS = {"step", "reward/mean", "ess/ratio", "grad_norm", "lr", "staleness/max", "staleness/mean",
                  "time/step_s"}
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> list[str]:
-    """Overrides for a tiny run: a few SFT steps (cached once for the module), small batches."""
-    cache = tmp_path_factory.mktemp("cache")
-    return [f"sft.cache_dir={cache}", "sft.steps=30", "sft.batch_size=32", "rollout.prompts_per_step=4",
-            "rollout.group_size=4", "rollout.max_new_tokens=6", "task.eval_size=16", "trainer.eval_every=2",
-            "trainer.checkpoint_every=2", "logging.progress=false", "trainer.lr=1e-3"]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize(("mode", "k", "extra"), [
@@ -35,7 +24,7 @@ def metrics(run_dir: Path) -> list[dict]:
 ])
 def test_each_mode_runs_and_logs_the_contract_keys(tmp_path, tiny, mode, k, extra):
     run = tmp_path / mode
-    vcpo("train", "-c", "configs/quickstart.yaml", *tiny, f"run_dir={run}", f"async.mode={mode}",
+    vcpo("train", *tiny, f"run_dir={run}", f"async.mode={mode}",
          f"async.max_staleness={k}", "trainer.max_steps=4", *extra)
     lines = metrics(run)
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
@@ -51,11 +40,9 @@ def test_each_mode_runs_and_logs_the_contract_keys(tmp_path, tiny, mode, k, extr
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
 
 
-def assert_resume_equals_uninterrupted(tmp_path: Path, common: list[str]) -> list[dict]:
-    """Run 4 steps straight and 2 + 2 with a resume in between; every non-timing metric must agree."""
-    full, part = tmp_path / "full", tmp_path / "part"
-    # Interrupt at step 2 (an evaluation step anyway, so both runs log the same keys), resume to 4.
-    vcpo("train", *common, f"run_dir={full}", "trainer.max_steps=4")
+def assert_resumed_run_matches(full: Path, part: Path, common: list[str]) -> list[dict]:
+    """Run 2 steps into ``part`` and resume to 4: every non-timing metric must equal the 4-step run ``full``'s."""
+    # Stop at step 2 (an evaluation step anyway, so both runs log the same keys), resume to 4.
     vcpo("train", *common, f"run_dir={part}", "trainer.max_steps=2")
     vcpo("train", "--resume", str(part), "trainer.max_steps=4")
     a, b = metrics(full), metrics(part)
@@ -67,26 +54,27 @@ def assert_resume_equals_uninterrupted(tmp_path: Path, common: list[str]) -> lis
     return a
 
 
-def test_lagged_resume_equals_uninterrupted_run(tmp_path, tiny):
-    assert_resume_equals_uninterrupted(tmp_path, ["-c", "configs/quickstart.yaml", *tiny, "async.mode=lagged",
-                                                  "async.max_staleness=2"])
+def test_lagged_resume_equals_uninterrupted_run(tmp_path, tiny, lagged_full):
+    assert_resumed_run_matches(lagged_full, tmp_path / "part", [*tiny, *LAGGED])
 
 
 def test_lagged_replay_resumes_exactly_with_tb(tmp_path, tiny):
     # Fresh batches at lag 1, replayed groups up to k = 2; the buffer and its RNG are in the checkpoint.
-    lines = assert_resume_equals_uninterrupted(tmp_path, [
-        "-c", "configs/quickstart.yaml", *tiny, "async.mode=lagged", "async.max_staleness=2",
-        "async.replay.enabled=true", "async.replay.generation_lag=1", "async.replay.groups_per_step=6",
-        "async.replay.max_uses=2", "objective.name=tb", "advantage.estimator=grpo", "trainer.ess_lr.enabled=false"])
+    common = [*tiny, *LAGGED, "async.replay.enabled=true", "async.replay.generation_lag=1",
+              "async.replay.groups_per_step=6", "async.replay.max_uses=2", "objective.name=tb",
+              "advantage.estimator=grpo", "trainer.ess_lr.enabled=false"]
+    vcpo("train", *common, f"run_dir={tmp_path / 'full'}")
+    lines = assert_resumed_run_matches(tmp_path / "full", tmp_path / "part", common)
     assert [m["staleness/max"] for m in lines] == [0, 1, 2, 2]
     assert max(m["replay/age_max"] for m in lines) == 2 and all(m["replay/max_age"] == 2 for m in lines)
     assert any(m["replay/uses_max"] == 2 for m in lines) and all(m["replay/fresh_groups"] == 4 for m in lines)
 
 
-def test_tba_recipe_runs_with_searchers_and_stops_at_its_time_budget(tmp_path, tiny):
+def test_tba_recipe_runs_with_searchers_and_stops_at_its_time_budget(tmp_path, tiny, tiny_overrides):
     # configs/tba.yaml as shipped (async, tb, replay), with two searchers to spare the CI machine.
     run = tmp_path / "tba"
-    vcpo("train", "-c", "configs/tba.yaml", *tiny, f"run_dir={run}", "trainer.max_steps=3", "async.num_workers=2")
+    vcpo("train", "-c", "configs/tba.yaml", *tiny_overrides, f"run_dir={run}", "trainer.max_steps=3",
+         "async.num_workers=2")
     lines = metrics(run)
     assert [m["step"] for m in lines] == [1, 2, 3]
     for m in lines:
@@ -94,7 +82,7 @@ def test_tba_recipe_runs_with_searchers_and_stops_at_its_time_budget(tmp_path, t
         assert m["batch/size"] == 4 * 4 and m["replay/fresh_groups"] == 4  # 4 groups of 4 drawn, 4 arrived
     # A wall-clock budget of 1 ms ends the run after its first step, evaluated as a last step is.
     budget = tmp_path / "budget"
-    vcpo("train", "-c", "configs/quickstart.yaml", *tiny, f"run_dir={budget}", "async.mode=sync",
+    vcpo("train", *tiny, f"run_dir={budget}", "async.mode=sync",
          "trainer.max_steps=50", "trainer.max_time_s=0.001")
     assert [(m["step"], "eval/accuracy" in m) for m in metrics(budget)] == [(1, True)]
     assert json.loads((budget / "summary.json").read_text())["steps"] == 1
@@ -116,7 +104,7 @@ def test_bad_config_exits_nonzero_with_one_line_naming_it(override, named):
 
 def test_fresh_run_refuses_a_directory_holding_another_run(tmp_path, tiny):
     run = tmp_path / "run"
-    args = ["train", "-c", "configs/quickstart.yaml", *tiny, f"run_dir={run}", "async.mode=sync", "trainer.max_steps=2"]
+    args = ["train", *tiny, f"run_dir={run}", "async.mode=sync", "trainer.max_steps=2"]
     vcpo(*args)
     proc = vcpo(*args, check=False)
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]

@@ -82,10 +82,9 @@ def test_trim_padding_cuts_to_the_longest_row():
 
 
 def step_grads(overrides: list[str], budget: int | None, max_len: int | None = None):
-    cfg = load_config(None, [*overrides, f"trainer.micro_batch_tokens={'null' if budget is None else budget}"])
+    extra = [] if max_len is None else [f"objective.max_len={max_len}"]  # Dr. GRPO's constant
+    cfg = load_config(None, [*overrides, *extra, f"trainer.micro_batch_tokens={'null' if budget is None else budget}"])
     learner = Learner(copy.deepcopy(MODEL), cfg)
-    if max_len is not None:  # Dr. GRPO's constant (not a config key)
-        learner.objective_kwargs["max_len"] = max_len
     metrics = learner.backward(BATCH)
     grads = [p.grad for p in learner.optimizer.updated]
     return grads, metrics, learner

@@ -219,11 +219,18 @@ def test_many_threads_at_once_get_their_own_results():
     assert results == {i: f"{i * i}\n" for i in range(8)}
 
 
-def test_no_working_directories_are_left_behind():
+def test_no_working_directories_are_left_behind(monkeypatch):
+    import shutil
     import tempfile
 
-    before = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("vcpo-sandbox-")}
-    run_python("open('x', 'w').write('y')")
-    run_python("while True: pass", timeout_s=0.5)
-    after = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("vcpo-sandbox-")}
-    assert after <= before
+    # A private temporary root (other processes on the machine may run sandboxes of their own), which the
+    # sandbox's unprivileged user can traverse as it can /tmp: pytest's own tmp_path is private to its user.
+    root = tempfile.mkdtemp(prefix="vcpo-test-tmp-")
+    os.chmod(root, 0o755)
+    monkeypatch.setattr(tempfile, "tempdir", root)
+    try:
+        run_python("open('x', 'w').write('y')")
+        run_python("while True: pass", timeout_s=0.5)
+        assert os.listdir(root) == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

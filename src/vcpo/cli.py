@@ -1,10 +1,15 @@
-"""The ``vcpo`` command line: sft, train, eval, plot, sweep, rerun, report. User errors exit 2 with one line."""
+"""The ``vcpo`` command line: sft, train, eval, plot, sweep, rerun, report. Each error is one line on stderr.
+
+Exit status: 0 done; 2 a user error (bad config, path or disk), found before any heavy import where it can
+be; 1 a run that started and could not go on; 128 + signal when SIGTERM (143) or SIGINT (130) stopped it.
+"""
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -15,23 +20,23 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 
+if TYPE_CHECKING:
+    from vcpo.train.signals import StopSignals
+
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
 Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.lr=1e-4 async.mode=sync")]
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from vcpo.config import ConfigError
-    from vcpo.models.loading import ModelLoadError
-    from vcpo.plots import PlotError
-    from vcpo.tasks.base import TaskError
-    from vcpo.train.checkpoint import CheckpointError
-
-    return ConfigError, ModelLoadError, TaskError, CheckpointError, PlotError
-
-
-def _fail(exc: BaseException) -> None:
+def _fail(exc: BaseException, code: int = 2) -> None:
     print(f"error: {exc}", file=sys.stderr)  # one line, never wrapped
-    raise typer.Exit(2)
+    raise typer.Exit(code)
+
+
+def _quiet_libraries() -> None:
+    """After the cheap checks: the heavy import, with transformers' progress bars off (ours is the one that matters)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _load(config: Path | None, overrides: list[str] | None, resume: Path | None = None):
@@ -53,7 +58,11 @@ def sft(
     = None,
 ) -> None:
     """Warm-start the embedded default model by supervised fine-tuning (cached), and report accuracy."""
+    from vcpo.errors import UserError
+
     try:
+        cfg = _load(config, overrides)
+        _quiet_libraries()
         import shutil
 
         import torch
@@ -65,7 +74,6 @@ def sft(
         from vcpo.train.evaluate import evaluate_accuracy
         from vcpo.train.sft import warm_start
 
-        cfg = _load(config, overrides)
         torch.set_num_threads(cfg.runtime.torch_threads)
         path = warm_start(cfg)
         model, tokenizer = load_policy(path, cfg.model.dtype, resolve_device(cfg.model.device))
@@ -78,7 +86,7 @@ def sft(
             path = Path(shutil.copytree(path, save))
         console.print(f"warm-started model: {path} (hash {warm_start_hash(path)})\n"
                       f"held-out greedy accuracy: {acc:.3f}")
-    except (*_user_errors(), FileExistsError) as exc:
+    except (UserError, FileExistsError) as exc:
         _fail(exc)
 
 
@@ -88,18 +96,49 @@ def train(
     overrides: Overrides = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="Continue the run in this directory.")] = None,
 ) -> None:
-    """Train with RL: `vcpo train -c CONFIG.yaml [key.path=value ...] [--resume RUN_DIR]`."""
+    """Train with RL: `vcpo train -c CONFIG.yaml [key.path=value ...] [--resume RUN_DIR]`.
+
+    SIGTERM or SIGINT: the run checkpoints its last finished step and exits 143 or 130 (a second one exits at once).
+    """
+    from vcpo.train.signals import StopSignals
+
     try:
-        from vcpo.train.trainer import train as run_training
+        with StopSignals() as signals:  # from the start: a signal during the heavy imports ends the command cleanly
+            _train(config, overrides, resume, signals)
+    finally:  # the command is over: a late signal must not turn its exit status into a kill
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def _train(config: Path | None, overrides: list[str] | None, resume: Path | None, signals: StopSignals) -> None:
+    from vcpo.errors import RunFailed, RunInterrupted, UserError, signal_name
+    from vcpo.train.signals import ForcedExit, StopRequested
+
+    try:
+        from vcpo.train.run_dir import check_start
 
         cfg = _load(config, overrides, resume)
-        summary = run_training(cfg, resume=resume is not None)
-        console.print(
-            f"held-out accuracy: {summary['initial_accuracy']:.3f} before RL -> {summary['final_accuracy']:.3f} "
-            f"after {summary['steps']} steps ({summary['wall_time_s']:.0f} s); run: {summary['run_dir']}"
-        )
-    except _user_errors() as exc:
+        check_start(cfg, resume=resume is not None)  # all before the heavy import below
+        with signals.interruptible():
+            _quiet_libraries()
+            from vcpo.train.health import describe
+            from vcpo.train.trainer import train as run_training
+        summary = run_training(cfg, resume=resume is not None, signals=signals)
+        console.print(describe(summary), markup=False, highlight=False, soft_wrap=True)
+    except UserError as exc:
         _fail(exc)
+    except RunFailed as exc:
+        _fail(exc, code=1)
+    except RunInterrupted as exc:
+        print(exc, file=sys.stderr)
+        raise typer.Exit(exc.exit_code) from None
+    except StopRequested:
+        print(f"interrupted by {signal_name(signals.signum)} before the run started; nothing was written",
+              file=sys.stderr)
+        raise typer.Exit(128 + signals.signum) from None
+    except ForcedExit as exc:  # a second signal while the first one's checkpoint was being written
+        print(f"exited at once on a second {signal_name(exc.signum)}", file=sys.stderr)
+        raise typer.Exit(128 + exc.signum) from None
 
 
 @app.command("eval")
@@ -116,33 +155,41 @@ def evaluate(
     out: Annotated[Path, typer.Option("--out", help="Where to write the JSON report.")] = Path("eval.json"),
 ) -> None:
     """Greedy accuracy, mean@N and pass@N (unbiased estimator) of a model per dataset: JSON file and table."""
+    from vcpo.errors import UserError
+
     try:
         from vcpo.config import ConfigError
-        from vcpo.train.eval_report import run_eval, write_report
-        from vcpo.train.evaluate import EvalSettings
+        from vcpo.models.files import check_model_dir
 
         if not temperature > 0 or not 0 < top_p <= 1:
             raise ConfigError(f"--temperature must be > 0 and --top-p in (0, 1], got {temperature} and {top_p}")
         cfg = _load(config, overrides)
-        settings = EvalSettings(cfg.rollout.max_new_tokens, samples, temperature, top_p, seed=cfg.seed,
-                                lm_head_fp32=cfg.model.lm_head_fp32)
+        check_model_dir(model_path)
         for path in dataset or []:
             if not path.is_file():
-                raise FileNotFoundError(f"--dataset {str(path)!r} is not a file")
+                raise ConfigError(f"--dataset {str(path)!r} is not a file")
+        _quiet_libraries()
+        from vcpo.train.eval_report import run_eval, write_report
+        from vcpo.train.evaluate import EvalSettings
+
+        settings = EvalSettings(cfg.rollout.max_new_tokens, samples, temperature, top_p, seed=cfg.seed,
+                                lm_head_fp32=cfg.model.lm_head_fp32)
         write_report(run_eval(cfg, model_path, dataset or [], settings), out, Console())
-    except (*_user_errors(), FileNotFoundError) as exc:
+    except UserError as exc:
         _fail(exc)
 
 
 @app.command()
 def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory holding metrics.jsonl.")]) -> None:
     """Write PNG figures (reward, eval accuracy, ESS ratio, grad norm, staleness, LR scale) of a run."""
+    from vcpo.errors import UserError
+
     try:
         from vcpo.plots import plot_run
 
         paths = plot_run(run_dir)
         console.print("wrote " + ", ".join(str(p) for p in paths))
-    except _user_errors() as exc:
+    except UserError as exc:
         _fail(exc)
 
 
@@ -173,6 +220,7 @@ def sweep(
                                                     "of the grid, e.g. w0 (default: all).")] = None,
 ) -> None:
     """Run a grid of (warm start x seed x arm x staleness k) in lagged mode: `vcpo sweep --grid study2 --out DIR`."""
+    from vcpo.errors import UserError
     from vcpo.study.grids import GRIDS
     from vcpo.study.sweep import SweepError, run_sweep
 
@@ -188,6 +236,7 @@ def sweep(
                 raise SweepError(f"--warm-starts: {unknown[0]!r} is not a warm start of grid {name!r} "
                                  f"(it has: {', '.join(pins) or 'none'})")
             pins = {w: pins[w] for w in warm_starts.split(",")}
+        _quiet_libraries()
         results = run_sweep(
             config or Path(preset.base_config), out, arms=arms.split(",") if arms else preset.arms,
             ks=_int_list("--ks", ks) or preset.ks, seeds=_int_list("--seeds", seeds) or preset.seeds,
@@ -197,7 +246,7 @@ def sweep(
         failed = [r["cell"] for r in results if r["status"] != "done"]
         console.print(f"{len(results) - len(failed)} of {len(results)} cells done; results in {out / 'results.jsonl'}"
                       + (f"; failed: {', '.join(failed)} (see error.txt in each)" if failed else ""))
-    except (*_user_errors(), SweepError) as exc:
+    except (UserError, SweepError) as exc:
         _fail(exc)
 
 
@@ -210,11 +259,12 @@ def rerun(
                                                "(its hash must match).")] = None,
 ) -> None:
     """Train a committed study cell again and compare its metrics with the committed ones (exit 1 if they differ)."""
+    from vcpo.errors import UserError
     from vcpo.study.rerun import RerunError, rerun_cell
 
     try:
         result = rerun_cell(cell_dir, out, steps=steps, model=model)
-    except (*_user_errors(), RerunError) as exc:
+    except (UserError, RerunError) as exc:
         _fail(exc)
     digest = result.get("digest")
     verdict = "identical" if result["identical"] else "DIFFERENT"
@@ -230,19 +280,16 @@ def rerun(
 @app.command()
 def report(sweep_dir: Annotated[Path, typer.Argument(help="A directory written by `vcpo sweep`.")]) -> None:
     """Write REPORT.md and PNG figures for a sweep: tables, collapse, early warning, claims checked."""
-    from vcpo.metrics import MetricsError
+    from vcpo.errors import UserError
     from vcpo.study.report import ReportError, write_report
 
     try:
         console.print(f"wrote {write_report(sweep_dir)}")
-    except (*_user_errors(), ReportError, MetricsError) as exc:
+    except (UserError, ReportError) as exc:
         _fail(exc)
 
 
 def main() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own progress display is the one that matters
     try:
         app()
     except KeyboardInterrupt:

@@ -2,10 +2,12 @@
 
 ``load_config(path, ["trainer.lr=1e-4", ...])`` returns a validated ``Config``; any unknown key or
 bad value raises ``ConfigError`` with one line naming it. The resolved config is saved with the run.
+Torch-free: every check here (objective hyperparameters included) runs before any heavy import.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -13,8 +15,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from vcpo.errors import DiskError, UserError
+from vcpo.objective_specs import SUM_NORM, HyperparameterError, check_hyperparameters, objective_names, spec_of
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A user-fixable problem with the configuration; its message is one line naming the culprit."""
 
 
@@ -98,16 +103,17 @@ class RolloutConfig(_Strict):
 class ObjectiveConfig(_Strict):
     name: str = "vcpo"
     loss_agg: str | None = None
-    """None = the objective's own default."""
+    """One of the four modes of ALGORITHMS.md §1; None = the objective's own default."""
+    max_len: int | None = Field(None, gt=0)
+    """The constant length of ``loss_agg: seq-mean-token-sum-norm`` (Dr. GRPO), required by it, used by no other."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    """The objective's own hyperparameters, typed and range-checked (strings such as "1e3" become numbers)."""
 
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        from vcpo.objectives import list_objectives
-
-        if v not in list_objectives():
-            raise ValueError(f"unknown objective {v!r}; valid: {', '.join(list_objectives())}")
+        if v not in objective_names():
+            raise ValueError(f"unknown objective {v!r}; valid: {', '.join(objective_names())}")
         return v
 
 
@@ -141,6 +147,9 @@ class TrainerConfig(_Strict):
     """The temperature of those samples (0.8 and top-p 0.7: the settings reasoning papers report at)."""
     eval_top_p: float = Field(0.7, gt=0, le=1)
     checkpoint_every: int = Field(10, ge=0)
+    max_skipped_steps: int = Field(3, ge=1)
+    """The run stops (with a checkpoint) after this many consecutive steps skipped as non-finite
+    (gradient, loss, ESS or a sampled log-prob)."""
     max_time_s: float | None = Field(None, gt=0)
     """A wall-clock budget per invocation: the run ends (evaluated and checkpointed as at max_steps)
     after the first step that finishes past it. None = max_steps alone decides."""
@@ -181,6 +190,10 @@ class AsyncConfig(_Strict):
     inflight_updates: bool = False
     """Apply new weights between decode steps, so one response may span versions."""
     num_workers: int = Field(1, gt=0)
+    max_worker_restarts: int = Field(3, ge=0)
+    """A rollout worker that dies is restarted (its groups re-issued) this many times in all, then the run stops."""
+    handoff_timeout_s: float = Field(300.0, gt=0)
+    """The longest the learner waits on a worker: for a weight lock, or for any group while it holds some."""
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
 
     def generation_bound(self) -> int:
@@ -217,16 +230,22 @@ class Config(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
 
     @model_validator(mode="after")
-    def _objective_kwargs(self) -> Config:
-        from vcpo.objectives import objective_hyperparameters
-
-        allowed = objective_hyperparameters(self.objective.name)
-        for key in self.objective.kwargs:
-            if key in ("loss_agg", "max_len") or key not in allowed:
-                raise ValueError(
-                    f"objective.kwargs.{key}: not a hyperparameter of {self.objective.name!r} "
-                    f"(valid: {', '.join(k for k in allowed if k not in ('loss_agg', 'max_len'))})"
-                )
+    def _objective_hyperparameters(self) -> Config:
+        """Type, range and choices of ``objective.{loss_agg,max_len,kwargs}`` by the objective's spec."""
+        obj = self.objective
+        for key in ("loss_agg", "max_len"):
+            if key in obj.kwargs:
+                raise ValueError(f"objective.kwargs.{key}: set it as objective.{key}")
+        given = dict(obj.kwargs)
+        given |= {k: v for k, v in (("loss_agg", obj.loss_agg), ("max_len", obj.max_len)) if v is not None}
+        try:
+            coerced = check_hyperparameters(obj.name, given)
+        except HyperparameterError as e:
+            key = f"objective.{e.name}" if e.name in ("loss_agg", "max_len") else f"objective.kwargs.{e.name}"
+            raise ValueError(f"config key {key!r} of objective {obj.name!r}: {e.reason}") from None
+        if obj.max_len is not None and coerced.get("loss_agg", spec_of(obj.name)["loss_agg"].default) != SUM_NORM:
+            raise ValueError(f"config key 'objective.max_len' is used only by objective.loss_agg={SUM_NORM}")
+        obj.kwargs.update({k: v for k, v in coerced.items() if k in obj.kwargs})  # "1e3" -> 1000.0, in place
         return self
 
     @model_validator(mode="after")
@@ -311,7 +330,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         try:
             tree = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+            where = _yaml_where(exc)
+            raise ConfigError(f"config file {str(p)!r}{where} is not valid YAML: {_yaml_problem(exc)}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {str(p)!r} cannot be read: {exc}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
     for key, value in parse_overrides(overrides or []):
@@ -319,5 +341,26 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return config_from_dict(tree)
 
 
+def _yaml_where(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    return f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    problem = getattr(exc, "problem", None)
+    return " ".join(str(problem or exc).split())
+
+
 def save_config(config: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    """Write ``config.yaml`` atomically (a temporary file renamed over it): a crash never leaves half a config."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DiskError(path, e) from None

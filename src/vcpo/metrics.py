@@ -13,10 +13,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from vcpo.errors import DiskError, UserError
+
 METRICS_FILE = "metrics.jsonl"
 
 
-class MetricsError(Exception):
+class MetricsError(UserError):
     """A user-visible problem with a metrics file or a metrics dict; the message is one line naming it."""
 
 
@@ -75,10 +77,13 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            _drop_torn_tail(self.path)
-        self._file = open(self.path, "a", encoding="utf-8")  # held open across steps; close() closes it
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():
+                _drop_torn_tail(self.path)
+            self._file = open(self.path, "a", encoding="utf-8")  # held open across steps; close() closes it
+        except OSError as e:
+            raise DiskError(self.path, e) from None
 
     def log(self, metrics: dict[str, float | int]) -> None:
         """Append ``metrics`` (which must hold an integer ``step``) as one line; NaN/inf are written as null."""
@@ -88,9 +93,12 @@ class MetricsLogger:
         if not isinstance(step, int) or isinstance(step, bool):
             raise MetricsError(f"metrics dict needs an integer 'step', got {step!r}")
         record = {key: _jsonable(key, value) for key, value in metrics.items()}
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            raise DiskError(self.path, e) from None
         if self._writer is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
@@ -98,8 +106,11 @@ class MetricsLogger:
             self._writer.flush()
 
     def close(self) -> None:
-        """Close the JSONL file and the TensorBoard writer; safe to call twice."""
-        self._file.close()
+        """Close the JSONL file and the TensorBoard writer; safe to call twice, and after a failed write."""
+        try:
+            self._file.close()
+        except OSError:  # the buffered tail of a failed write: log() already raised for it
+            pass
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -150,10 +161,14 @@ def truncate_metrics(path: Path, after_step: int) -> int:
         return 0
     kept = [line for line, record in _parse_lines(path) if _step_of(record) <= after_step]
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("".join(line + "\n" for line in kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)  # make the rename itself durable
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)  # make the rename itself durable
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DiskError(path, e) from None
     return len(kept)

@@ -15,10 +15,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from vcpo.errors import UserError
 from vcpo.metrics import METRICS_FILE, MetricsError, read_metrics
 
 
-class PlotError(Exception):
+class PlotError(UserError):
     """Nothing to plot (missing, empty or unreadable metrics file); the message is one line naming it."""
 
 

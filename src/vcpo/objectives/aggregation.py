@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from vcpo.objective_specs import LOSS_AGG_MODES
 
 
 def aggregate(loss_BT: Tensor, mask_BT: Tensor, loss_agg: str, max_len: int | None = None) -> Tensor:

@@ -11,7 +11,7 @@ from torch import Tensor
 from vcpo.objectives.aggregation import aggregate
 from vcpo.objectives.common import clamped_exp, proximal_log_ratio
 from vcpo.objectives.ppo_clip import clipped_surrogate
-from vcpo.objectives.registry import check_range, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
 MAX_CANDIDATES = 10_000
@@ -118,18 +118,8 @@ def bapo(
     Metrics: ``bapo/c_low``, ``bapo/c_high``, ``bapo/pos_neg_ratio`` (P/N at the chosen bounds,
     reported as min(P/N, 1e6); 1.0 when P = N = 0), plus the ``clip/*`` fractions of ``ppo_clip``.
     """
-    check_range("target", target, 0.0, None, low_open=True)
-    check_range("c_low", c_low, 0.0, 1.0, low_open=True)
-    check_range("c_low_max", c_low_max, c_low, 1.0)
-    check_range("c_high", c_high, 1.0, None)
-    check_range("c_high_max", c_high_max, c_high, None)
-    for name, value in (("step", step), ("step_low", step_low), ("step_high", step_high)):
-        if value is not None:
-            check_range(name, value, 0.0, None, low_open=True)
-    if dual_clip is not None:
-        check_range("dual_clip", dual_clip, 1.0, None, low_open=True)
-    steps = resolve_steps(step, step_low, step_high)
-    c_low_K, c_high_K = bound_schedule(c_low, c_low_max, c_high, c_high_max, *steps, device=inp.logprobs.device)
+    c_low_K, c_high_K = bound_schedule(c_low, c_low_max, c_high, c_high_max, *resolve_steps(step, step_low, step_high),
+                                       device=inp.logprobs.device)
     m = inp.mask.bool()
     ratio_N = clamped_exp(proximal_log_ratio(inp).detach())[m].double()
     adv_N = inp.adv_BT[m].double()

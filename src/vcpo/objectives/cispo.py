@@ -5,7 +5,7 @@ from __future__ import annotations
 from vcpo.objectives.aggregation import aggregate
 from vcpo.objectives.common import clamped_exp, proximal_log_ratio
 from vcpo.objectives.diagnostics import masked_fraction
-from vcpo.objectives.registry import check_range, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
 
@@ -32,8 +32,6 @@ def cispo(
     ``token-mean`` is the paper's normalisation by the total token count.
     Metric: ``clip/frac``, the fraction of counted tokens whose weight was truncated.
     """
-    check_range("eps_low", eps_low, 0.0, 1.0)
-    check_range("eps_high", eps_high, 0.0, None)
     ratio_BT = clamped_exp(proximal_log_ratio(inp).detach())
     weight_BT = ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss_BT = -weight_BT * inp.adv_BT * inp.logprobs

@@ -7,7 +7,7 @@ import torch
 from vcpo.objectives.aggregation import aggregate
 from vcpo.objectives.common import clamped_exp, proximal_log_ratio
 from vcpo.objectives.diagnostics import masked_fraction
-from vcpo.objectives.registry import check_range, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
 
@@ -34,8 +34,6 @@ def gmpo(
     each token uses its own sign and ``l_it = -A_it * ratio_i`` (equal to the paper when A is
     constant along a sequence).
     """
-    check_range("eps_low", eps_low, 0.0, None)
-    check_range("eps_high", eps_high, 0.0, None)
     d_BT = proximal_log_ratio(inp)
     adv_BT = inp.adv_BT
     clipped_d_BT = torch.where(

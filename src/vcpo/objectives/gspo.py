@@ -7,7 +7,7 @@ from torch import Tensor
 from vcpo.objectives.aggregation import aggregate
 from vcpo.objectives.common import clamped_exp, proximal_log_ratio
 from vcpo.objectives.ppo_clip import clipped_surrogate
-from vcpo.objectives.registry import check_range, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
 GSPO_EPS_LOW = 3e-4
@@ -33,7 +33,6 @@ def gspo(
     clips with its own sign of A) but the paper's GSPO assumes one advantage per sequence; use
     ``gspo_token`` for genuinely per-token advantages.
     """
-    _check_eps(eps_low, eps_high)
     log_s_B = _sequence_log_ratio(inp)
     log_ratio_BT = log_s_B.unsqueeze(1).expand_as(inp.logprobs)
     return _clipped_sequence_loss(inp, log_ratio_BT, log_s_B, eps_low, eps_high, loss_agg, max_len)
@@ -57,17 +56,11 @@ def gspo_token(
     advantage per sequence and ``seq-mean-token-mean`` (the default) loss, clipping and gradient
     equal those of ``gspo``.
     """
-    _check_eps(eps_low, eps_high)
     log_s_B = _sequence_log_ratio(inp)
     d_BT = proximal_log_ratio(inp)
     # d - sg(d) is zero in value and has gradient 1 wrt lp on counted tokens (0 on masked ones).
     log_ratio_BT = log_s_B.detach().unsqueeze(1) + d_BT - d_BT.detach()
     return _clipped_sequence_loss(inp, log_ratio_BT, log_s_B, eps_low, eps_high, loss_agg, max_len)
-
-
-def _check_eps(eps_low: float, eps_high: float) -> None:
-    check_range("eps_low", eps_low, 0.0, 1.0)
-    check_range("eps_high", eps_high, 0.0, None)
 
 
 def _sequence_log_ratio(inp: ObjectiveInputs) -> Tensor:

@@ -10,7 +10,7 @@ from vcpo.objectives.aggregation import aggregate
 from vcpo.objectives.common import clamped_exp
 from vcpo.objectives.diagnostics import masked_fraction
 from vcpo.objectives.ppo_clip import clipped_surrogate
-from vcpo.objectives.registry import check_range, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
 
@@ -50,12 +50,6 @@ def icepop(
     of counted tokens dropped) and the ``clip/*`` fractions of ``ppo_clip`` over all counted
     tokens, dropped ones included.
     """
-    check_range("low", low, 0.0, 1.0)
-    check_range("high", high, 1.0, None)
-    check_range("eps_low", eps_low, 0.0, 1.0)
-    check_range("eps_high", eps_high, 0.0, None)
-    if dual_clip is not None:
-        check_range("dual_clip", dual_clip, 1.0, None, low_open=True)
 
     mask = inp.mask
     train_lp_BT = inp.old_logprobs if inp.old_logprobs is not None else inp.logprobs

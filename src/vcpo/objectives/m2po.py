@@ -10,7 +10,7 @@ from torch import Tensor
 from vcpo.objectives.aggregation import aggregate
 from vcpo.objectives.common import clamped_exp, proximal_log_ratio
 from vcpo.objectives.diagnostics import masked_fraction, masked_mean
-from vcpo.objectives.registry import check_range, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
 
@@ -54,9 +54,6 @@ def m2po(
     tokens dropped for ``k > c``, 0 when c is None) and ``mask/frac`` (fraction of counted tokens
     masked by either).
     """
-    check_range("tau", tau, 0.0, None, low_open=True)
-    if behavior_weight_max is not None:
-        check_range("behavior_weight_max", behavior_weight_max, 1.0, None)
     mask = inp.mask.bool()
     olp_BT = inp.old_logprobs if inp.old_logprobs is not None else inp.logprobs
     sq_BT = (inp.behavior_logprobs.detach() - olp_BT.detach()) ** 2

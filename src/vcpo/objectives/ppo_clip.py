@@ -7,7 +7,7 @@ import torch
 from vcpo.objectives.aggregation import aggregate
 from vcpo.objectives.common import clamped_exp, proximal_log_ratio
 from vcpo.objectives.diagnostics import masked_fraction
-from vcpo.objectives.registry import check_range, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
 
@@ -29,10 +29,6 @@ def ppo_clip(
     clip-higher eps_high = 0.28: DAPO, Yu et al. 2025 (arXiv 2503.14476). Defaults 0.2 / 0.2,
     no dual-clip, token-mean aggregation.
     """
-    check_range("eps_low", eps_low, 0.0, 1.0)
-    check_range("eps_high", eps_high, 0.0, None)
-    if dual_clip is not None:
-        check_range("dual_clip", dual_clip, 1.0, None, low_open=True)
     loss_BT, metrics = clipped_surrogate(inp, eps_low, eps_high, dual_clip)
     return ObjectiveOutput(aggregate(loss_BT, inp.mask, loss_agg, max_len), metrics)
 

@@ -1,6 +1,7 @@
 """The objective registry: names to pure loss functions, with argument checking and diagnostics.
 
-Adding an objective is one new module with one ``@register("name")`` function.
+Adding an objective is one new module with one ``@register("name")`` function and its hyperparameters'
+spec in ``vcpo.objective_specs`` (types, ranges, defaults), which every call is checked against.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import functools
 import inspect
 from collections.abc import Callable
 
+from vcpo.objective_specs import ALIASES, OBJECTIVES, check_hyperparameters
 from vcpo.objectives.diagnostics import behavior_metrics
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
@@ -24,17 +26,27 @@ of the call ("batch", e.g. BAPO's bounds, M2PO's mask). Micro-batched learners r
 
 def register(name: str, *aliases: str, scope: str = "row") -> Callable[[ObjectiveFn], ObjectiveFn]:
     """Register ``fn(inputs, *, loss_agg, max_len, **hyperparameters)`` under ``name`` (and aliases), with the
-    ``scope`` of the statistics its per-row loss depends on (one of ``SCOPES``)."""
+    ``scope`` of the statistics its per-row loss depends on (one of ``SCOPES``).
+
+    The registered function checks and coerces its keyword arguments against the objective's spec
+    (``vcpo.objective_specs``) before it runs, so a bad value is one ``ValueError`` naming it.
+    """
     if scope not in SCOPES:
         raise ValueError(f"objective {name!r}: scope {scope!r} is not one of {', '.join(SCOPES)}")
+    if name not in OBJECTIVES or sorted(aliases) != sorted(a for a, target in ALIASES.items() if target == name):
+        raise ValueError(f"objective {name!r} (aliases {aliases}) does not match vcpo.objective_specs")
 
     def deco(fn: ObjectiveFn) -> ObjectiveFn:
+        @functools.wraps(fn)
+        def checked(inputs: ObjectiveInputs, **hyperparameters: object) -> ObjectiveOutput:
+            return fn(inputs, **check_hyperparameters(name, hyperparameters))
+
         for key in (name, *aliases):
             if key in _REGISTRY:
                 raise ValueError(f"objective {key!r} is already registered")
-            _REGISTRY[key] = fn
+            _REGISTRY[key] = checked
             _SCOPES[key] = scope
-        return fn
+        return checked
 
     return deco
 
@@ -67,43 +79,17 @@ def _lookup(name: str) -> ObjectiveFn:
 
 
 def get_objective(name: str) -> Callable[..., ObjectiveOutput]:
-    """The objective called ``name``, wrapped to reject unknown hyperparameters by name and to
-    add the shared behavior diagnostics (ratio tails, KL, ESS) to its metrics."""
+    """The objective called ``name``, wrapped to add the shared behavior diagnostics (ratio tails, KL,
+    ESS) to its metrics; unknown or bad hyperparameters raise ``ValueError`` naming them."""
     fn = _lookup(name)
-    allowed = objective_hyperparameters(name)
 
     @functools.wraps(fn)
     def objective(inputs: ObjectiveInputs, **hyperparameters: object) -> ObjectiveOutput:
         if not isinstance(inputs, ObjectiveInputs):
             raise TypeError(f"objective {name!r} takes an ObjectiveInputs, got {type(inputs).__name__}")
-        unknown = sorted(set(hyperparameters) - set(allowed))
-        if unknown:
-            raise ValueError(
-                f"unknown hyperparameter(s) {', '.join(map(repr, unknown))} for objective {name!r}; "
-                f"valid: {', '.join(sorted(allowed))}"
-            )
         out = fn(inputs, **hyperparameters)
         metrics = behavior_metrics(inputs) | out.metrics
         metrics["loss/value"] = float(out.loss.detach())
         return ObjectiveOutput(loss=out.loss, metrics=metrics)
 
     return objective
-
-
-def check_range(name: str, value: float, low: float | None = None, high: float | None = None,
-                low_open: bool = False) -> None:
-    """Raise ``ValueError`` naming a hyperparameter outside [low, high] (or (low, high])."""
-    bad = value is None or value != value  # None or NaN
-    if not bad and low is not None:
-        bad = value <= low if low_open else value < low
-    if not bad and high is not None:
-        bad = value > high
-    if bad:
-        lo = "(" if low_open else "["
-        raise ValueError(f"hyperparameter {name}={value!r} is out of range {lo}{low}, {high}]")
-
-
-def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    """Raise ``ValueError`` naming a hyperparameter whose value is not one of ``choices``."""
-    if value not in choices:
-        raise ValueError(f"hyperparameter {name}={value!r} must be one of {', '.join(map(repr, choices))}")

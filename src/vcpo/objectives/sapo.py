@@ -7,7 +7,7 @@ import torch
 from vcpo.objectives.aggregation import aggregate
 from vcpo.objectives.common import clamped_exp, proximal_log_ratio
 from vcpo.objectives.diagnostics import masked_mean
-from vcpo.objectives.registry import check_range, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
 
@@ -32,8 +32,6 @@ def sapo(
     Metrics: ``sapo/gate_mean`` (mean g) and ``sapo/gate_grad_mean`` (mean 4s(1-s), the factor
     that multiplies the importance-weighted gradient; 1 on-policy).
     """
-    check_range("tau_pos", tau_pos, 0.0, None, low_open=True)
-    check_range("tau_neg", tau_neg, 0.0, None, low_open=True)
     ratio_BT = clamped_exp(proximal_log_ratio(inp))
     adv_BT = inp.adv_BT
     tau_BT = torch.where(adv_BT > 0, adv_BT.new_tensor(tau_pos), adv_BT.new_tensor(tau_neg))

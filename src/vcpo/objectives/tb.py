@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from vcpo.objectives.aggregation import aggregate
-from vcpo.objectives.registry import check_range, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 
 
@@ -52,7 +52,6 @@ def tb(
 
     Metrics: ``tb/logz_mean`` (mean of logZ over counted sequences), ``tb/delta_sq_mean``.
     """
-    check_range("beta", beta, 0.0, None, low_open=True)
     m_BT = inp.mask.bool()
     mask_f = inp.mask_f
     dtype = inp.logprobs.dtype

@@ -9,10 +9,8 @@ import torch
 from vcpo.objectives.aggregation import aggregate
 from vcpo.objectives.common import clamped_exp
 from vcpo.objectives.diagnostics import masked_fraction, masked_mean
-from vcpo.objectives.registry import check_choice, check_range, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
-
-TIS_LEVELS = ("token", "sequence")
 
 
 @register("tis")
@@ -46,8 +44,6 @@ def tis(
     fraction of counted tokens (token level) or of non-empty sequences (sequence level) whose
     weight was truncated; ``tis/weight_mean`` is the mean weight over the same units.
     """
-    check_choice("level", level, TIS_LEVELS)
-    check_range("cap", cap, 1.0, None)
     log_cap = math.log(cap)
     mask = inp.mask
     if level == "token":

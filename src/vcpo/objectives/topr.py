@@ -7,10 +7,8 @@ import torch
 from vcpo.objectives.aggregation import aggregate
 from vcpo.objectives.common import clamped_exp
 from vcpo.objectives.diagnostics import masked_fraction, masked_mean
-from vcpo.objectives.registry import check_choice, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
-
-TOPR_LEVELS = ("sequence", "token")
 
 
 @register("topr")
@@ -43,7 +41,6 @@ def topr(
     tokens when R is per token); ``topr/neg_weight_mean`` is the mean taper over counted tokens
     with R < 0 (0 when there are none).
     """
-    check_choice("level", level, TOPR_LEVELS)
     signal = inp.rewards if inp.rewards is not None else inp.advantages
     signal = signal.detach().to(inp.logprobs.dtype)
     reward_BT = signal.unsqueeze(1).expand_as(inp.logprobs) if signal.dim() == 1 else signal

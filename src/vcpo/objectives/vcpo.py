@@ -8,7 +8,7 @@ import torch
 
 from vcpo.objectives.aggregation import aggregate
 from vcpo.objectives.common import clamped_exp
-from vcpo.objectives.registry import check_range, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import ObjectiveInputs, ObjectiveOutput
 from vcpo.variance import ess_ratio
 
@@ -40,7 +40,6 @@ def vcpo(
     ``vcpo/weight_max`` (of the weights the loss applies, min(W, cap)). The unclipped ``ess/ratio``
     is added by the registry.
     """
-    check_range("cap", cap, 0.0, None, low_open=True)
     logw_B = inp.seq_log_weights
     log_cap = math.log(cap)
     # Capping in log space equals min(exp(clamped logW), cap) and never forms exp of a large number.

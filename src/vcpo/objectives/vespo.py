@@ -7,7 +7,7 @@ from torch import Tensor
 
 from vcpo.objectives.aggregation import aggregate
 from vcpo.objectives.common import clamped_exp
-from vcpo.objectives.registry import check_range, register
+from vcpo.objectives.registry import register
 from vcpo.objectives.types import LOG_RATIO_CLAMP, ObjectiveInputs, ObjectiveOutput
 
 
@@ -52,10 +52,6 @@ def vespo(
     ``vespo/logw_mean_pos``, ``vespo/logw_mean_neg``. Means are over counted tokens, i.e. a
     sequence weighs by its length, as it does in the token-mean loss.
     """
-    check_range("k_pos", k_pos, 0.0, None)
-    check_range("lambda_pos", lambda_pos, 0.0, None, low_open=True)
-    check_range("k_neg", k_neg, 0.0, None)
-    check_range("lambda_neg", lambda_neg, 0.0, None, low_open=True)
     adv_BT = inp.adv_BT
     pos_BT = adv_BT >= 0
     logw_B = inp.seq_log_weights

@@ -1,181 +1,254 @@
 """True asynchrony on one machine: rollout worker processes overlap with the learner.
 
-Weights travel through shared memory (one shared copy of the state dict, a version counter and
-a lock); each worker polls the version before every decode step when in-flight updates are on,
-else before each request. The learner's process admits rollout groups under the staleness bound
-(vcpo.orchestration.staleness) and drops, at batch time, any group that would exceed it.
+Weights travel through shared memory (one shared copy of the state dict and a version counter); each
+worker has its own lock around it, its own ticket pipe (group indices in) and result pipe (groups out),
+so that the learner knows which groups each worker holds. Workers poll the version before every decode
+step when in-flight updates are on, else before each request. The learner admits rollout groups under
+the staleness bound (vcpo.orchestration.staleness) and drops, at batch time, any group that would exceed
+it. A worker that dies is noticed at once (its process sentinel) and restarted with the groups it held,
+up to ``max_restarts`` times; a worker silent for ``handoff_timeout_s`` while it holds groups, or holding
+its weight lock that long, is an error naming it. Nothing here ever waits without a deadline.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-from dataclasses import dataclass, field
+import pickle
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from rich.console import Console
 
-from vcpo.orchestration.base import ProblemStream, generator_for
+from vcpo.errors import RunFailed, signal_name
 from vcpo.orchestration.staleness import StalenessController
-from vcpo.runtime import configure_cpu
-from vcpo.types import SamplingParams, Trajectory
+from vcpo.orchestration.worker import WorkerSpec, rollout_worker
+from vcpo.types import Trajectory
+
+__all__ = ["AsyncSource", "WorkerSpec"]
 
 _POLL_S = 0.05
+_CLOSE_GRACE_S = 5.0
+console = Console(stderr=True)
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs to rebuild its engine, task and problem stream."""
+@dataclass
+class _Worker:
+    """The learner's handle on one worker process, and the group indices it holds (sent, not yet returned)."""
 
-    worker_id: int
-    model_path: str
-    dtype: str
-    device: str
-    lm_head_fp32: bool
-    task_name: str
-    task_kwargs: dict[str, Any]
-    seed: int
-    prompts_per_step: int
-    group_size: int
-    sampling: SamplingParams
-    inflight_updates: bool
-    torch_threads: int = 1
-    reward_timeout_s: float = 5.0
-    reward_workers: int = 1
-    task_options: dict[str, Any] = field(default_factory=dict)  # the rest of TaskConfig (prompt format, reward)
+    process: Any
+    tickets: Connection
+    results: Connection
+    lock: Any
+    held: list[int] = field(default_factory=list)
+    last_heard: float = field(default_factory=time.monotonic)
+    error: str | None = None
 
 
-def rollout_worker(spec: WorkerSpec, shared: dict[str, torch.Tensor], version, lock, tickets, results, stop) -> None:
-    """Worker loop: take admitted group indices, generate with the newest weights, send groups back."""
-    configure_cpu(spec.torch_threads)  # as in the learner's process
-    from transformers.utils import logging as hf_logging
-
-    from vcpo.config import TaskConfig
-    from vcpo.models.loading import load_policy
-    from vcpo.rollout.collect import collect_groups
-    from vcpo.rollout.engine import HFRolloutEngine
-    from vcpo.tasks import make_task, prepare_scoring
-
-    hf_logging.disable_progress_bar()
-    task = make_task(TaskConfig(name=spec.task_name, kwargs=spec.task_kwargs, reward_timeout_s=spec.reward_timeout_s,
-                                reward_workers=spec.reward_workers, **spec.task_options))
-    prepare_scoring(task)  # the sandboxed scorer starts while the model loads
-    model, tokenizer = load_policy(spec.model_path, spec.dtype, spec.device)
-    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1,
-                             lm_head_fp32=spec.lm_head_fp32)
-    stream = ProblemStream(task, spec.seed, spec.prompts_per_step)
-
-    def poll() -> tuple[int, dict[str, torch.Tensor]] | None:
-        if version.value == engine.version:
-            return None
-        with lock:
-            return int(version.value), {k: v.clone() for k, v in shared.items()}
-
-    while not stop.is_set():
-        try:
-            indices = [tickets.get(timeout=_POLL_S)]
-        except queue.Empty:
-            continue
-        while len(indices) < spec.prompts_per_step:  # batch whatever else is admitted already
-            try:
-                indices.append(tickets.get_nowait())
-            except queue.Empty:
-                break
-        update = poll()
-        if update is not None:
-            engine.load_weights(update[1], update[0])
-        groups = collect_groups(
-            engine, tokenizer, task, [stream.group(i) for i in indices], indices, spec.group_size,
-            spec.sampling, generator_for(spec.seed, indices[0]),
-            weight_poll=poll if spec.inflight_updates else None,
-        )
-        for group in groups:
-            results.put(group)
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        return f"was killed by {signal_name(-code)}"
+    return f"exited with status {code}"
 
 
 class AsyncSource:
-    """Rollout worker processes plus an admission thread in the learner's process."""
+    """Rollout worker processes, fed and restarted from the learner's (main) thread."""
 
     def __init__(self, model: torch.nn.Module, spec: WorkerSpec, num_workers: int, max_staleness: int,
-                 drop_older_than: float | None, start_version: int = 0) -> None:
-        ctx = mp.get_context("spawn")
+                 drop_older_than: float | None, start_version: int = 0, max_restarts: int = 3) -> None:
+        self._ctx = mp.get_context("spawn")
+        self.spec = spec
         self.P = spec.prompts_per_step
+        self.num_workers = num_workers
+        self.max_restarts = max_restarts
         # A host copy whatever the learner's device: workers copy from it onto theirs.
         self.shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in model.state_dict().items()}
-        self.version = ctx.Value("q", start_version)
-        self.lock = ctx.Lock()
-        self.tickets, self.results, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+        # Read by workers without a lock, as a hint; written only while every worker's lock is held.
+        self.version = self._ctx.RawValue("q", start_version)
         self.controller = StalenessController(max_staleness, self.P, drop_older_than)
         self.controller.set_version(start_version)
         self.controller.stats.admitted = start_version * self.P  # groups already consumed before a resume
         self.next_group = start_version * self.P
-        self._closing = threading.Event()
-        self._started = False
-        self.workers = [
-            ctx.Process(target=rollout_worker, daemon=True,
-                        args=(WorkerSpec(**{**spec.__dict__, "worker_id": i}), self.shared, self.version,
-                              self.lock, self.tickets, self.results, self.stop))
-            for i in range(num_workers)
-        ]
-        self._admitter = threading.Thread(target=self._admit_loop, daemon=True)
+        self.workers: list[_Worker] = []
+        self.restarts = 0
+        self._before: dict[str, int] = {}  # counts of earlier processes of this run (resume)
+        self._failure: str | None = None
+        self._inbox: deque[list[Trajectory]] = deque()  # groups received, not yet handed to next_batch
 
-    def _start(self) -> None:
-        """Start workers and admission on the first request, after any ``load_state``."""
-        self._started = True
-        for w in self.workers:
-            w.start()
-        self._admitter.start()
+    def _spawn(self, worker_id: int) -> _Worker:
+        ticket_reader, ticket_writer = self._ctx.Pipe(duplex=False)
+        result_reader, result_writer = self._ctx.Pipe(duplex=False)
+        lock = self._ctx.Lock()
+        process = self._ctx.Process(
+            target=rollout_worker, daemon=True, name=f"vcpo-rollout-{worker_id}",
+            args=(replace(self.spec, worker_id=worker_id), self.shared, self.version, ticket_reader, result_writer,
+                  lock),
+        )
+        process.start()  # from the main thread: the worker's parent-death signal follows this thread
+        ticket_reader.close()  # the worker holds the only other ends, so its death reads as end-of-file here
+        result_writer.close()
+        return _Worker(process, ticket_writer, result_reader, lock)
 
-    def _admit_loop(self) -> None:
-        while not self._closing.is_set():
-            if self.controller.wait_admit(timeout_s=_POLL_S) is not None:
-                self.tickets.put(self.next_group)
-                self.next_group += 1
+    def _admit(self) -> None:
+        """Issue every group the staleness bound admits now, each to the worker holding the fewest."""
+        while self.controller.try_admit() is not None:
+            self._send(min(self.workers, key=lambda w: len(w.held)), self.next_group)
+            self.next_group += 1
+
+    def _send(self, worker: _Worker, index: int) -> None:
+        if not worker.held:
+            worker.last_heard = time.monotonic()  # an idle worker's silence was no stall
+        worker.held.append(index)
+        try:
+            worker.tickets.send(index)
+        except OSError:  # it died: the receive loop notices and re-issues what it held
+            pass
+
+    def _replace(self, worker: _Worker, defer: bool = False) -> _Worker | None:
+        """Restart a dead or stalled worker with the groups it held; with the restarts used up, stop the run
+        (at once, or with ``defer`` at the next ``next_batch``, so that a finished step is logged first)."""
+        i = self.workers.index(worker)
+        self._reap(worker)
+        why = f"rollout worker {i} {_exit_text(worker.process.exitcode)}"
+        why += f" ({worker.error})" if worker.error else ""
+        if self.restarts >= self.max_restarts:
+            self._failure = f"{why}; no restart left (async.max_worker_restarts={self.max_restarts})"
+            if defer:
+                return None
+            raise RunFailed(self._failure)
+        self.restarts += 1
+        self.workers[i] = new = self._spawn(i)
+        console.print(f"warning: {why}; restarted it ({self.restarts} of {self.max_restarts}), re-issuing "
+                      f"{len(worker.held)} group(s)", markup=False, highlight=False, soft_wrap=True)
+        for index in worker.held:  # still admitted: the bound is checked again when each comes back
+            self._send(new, index)
+        return new
+
+    def _reap(self, worker: _Worker) -> None:
+        worker.process.join(timeout=_CLOSE_GRACE_S)
+        worker.tickets.close()
+        worker.results.close()
+
+    def _take(self, worker: _Worker) -> bool:
+        """Read one message of ``worker`` into the inbox (a group) or its error; False at its end (death)."""
+        try:
+            kind, payload = worker.results.recv()
+        except (EOFError, OSError, pickle.UnpicklingError):  # died, possibly in the middle of a message
+            return False
+        worker.last_heard = time.monotonic()
+        if kind == "error":
+            worker.error = payload
+        else:
+            if payload[0].group_id in worker.held:
+                worker.held.remove(payload[0].group_id)
+            self._inbox.append(payload)
+        return True
+
+    def _bury(self, worker: _Worker, defer: bool = False) -> _Worker | None:
+        """A worker ended: keep every group it finished sending, then restart it with the rest (``_replace``)."""
+        while self._take(worker):
+            pass
+        return self._replace(worker, defer)
+
+    def _receive(self) -> list[Trajectory]:
+        """The next finished group from any worker; a worker that died is replaced as soon as it is seen."""
+        while not self._inbox:
+            by_conn = {w.results: w for w in self.workers}
+            by_sentinel = {w.process.sentinel: w for w in self.workers}
+            for ready in wait([*by_conn, *by_sentinel], timeout=_POLL_S):
+                worker = by_conn.get(ready) or by_sentinel[ready]
+                if worker not in self.workers:  # replaced earlier in this round
+                    continue
+                if ready is not worker.results or not self._take(worker):
+                    self._bury(worker)
+            now = time.monotonic()
+            for i, w in enumerate(self.workers):
+                if w.held and now - w.last_heard > self.spec.handoff_timeout_s:
+                    raise RunFailed(f"rollout worker {i} sent nothing for {now - w.last_heard:.1f} s while holding "
+                                    f"{len(w.held)} group(s) (async.handoff_timeout_s={self.spec.handoff_timeout_s:g})")
+        return self._inbox.popleft()
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
-        if not self._started:
-            self._start()
+        if not self.workers:  # start on the first request, after any load_state
+            self.workers = [self._spawn(i) for i in range(self.num_workers)]
+            self._admit()
+        if self._failure is not None:
+            raise RunFailed(self._failure)
         batch: list[Trajectory] = []
         kept = 0
         while kept < self.P:
-            try:
-                group = self.results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [w for w in self.workers if not w.is_alive()]
-                if dead:
-                    raise RuntimeError(f"rollout worker exited with code {dead[0].exitcode}") from None
-                continue
+            group = self._receive()
             if self.controller.keep(group, learner_version):
                 batch.extend(group)
                 kept += 1
+            else:
+                self._admit()  # the drop freed admission capacity
         return batch
 
+    def _lock(self, i: int) -> Any:
+        """Acquire worker i's weight lock; a worker that died holding it is replaced, one that holds it past
+        the handoff timeout is killed and replaced. None if it could not be replaced (no restart left)."""
+        deadline = time.monotonic() + self.spec.handoff_timeout_s
+        while not self.workers[i].lock.acquire(timeout=_POLL_S):
+            worker = self.workers[i]
+            if worker.process.is_alive() and time.monotonic() < deadline:
+                continue
+            if worker.process.is_alive():  # stalled: killed, its pipe then ends too
+                worker.error = f"held its weight lock past async.handoff_timeout_s={self.spec.handoff_timeout_s:g}"
+                worker.process.kill()
+            if self._bury(worker, defer=True) is None:
+                return None
+            deadline = time.monotonic() + self.spec.handoff_timeout_s
+        return self.workers[i].lock
+
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        with self.lock, torch.no_grad():
-            for k, v in model.state_dict().items():
-                self.shared[k].copy_(v)
+        """Copy the new weights into shared memory under every worker's lock, then admit what the bound allows."""
+        locked = []
+        try:
+            for i in range(len(self.workers)):
+                if (lock := self._lock(i)) is not None:
+                    locked.append(lock)
+            with torch.no_grad():
+                for k, v in model.state_dict().items():
+                    self.shared[k].copy_(v)
             self.version.value = version
+        finally:
+            for lock in locked:
+                lock.release()
         self.controller.set_version(version)
+        if self.workers and self._failure is None:
+            self._admit()
 
     def metrics(self) -> dict[str, float]:
         s = self.controller.stats
-        return {"staleness/dropped_over_bound": float(s.dropped_over_bound),
-                "staleness/dropped_alpha": float(s.dropped_alpha)}
+        return {"staleness/dropped_over_bound": float(s.dropped_over_bound + self._before.get("dropped_over_bound", 0)),
+                "staleness/dropped_alpha": float(s.dropped_alpha + self._before.get("dropped_alpha", 0)),
+                "async/worker_restarts": float(self.restarts + self._before.get("worker_restarts", 0))}
 
     def state(self) -> dict[str, Any]:
-        return {"next_group": self.next_group}
+        m = self.metrics()
+        return {"next_group": self.next_group, "dropped_over_bound": int(m["staleness/dropped_over_bound"]),
+                "dropped_alpha": int(m["staleness/dropped_alpha"]), "worker_restarts": int(m["async/worker_restarts"])}
 
     def load_state(self, state: dict[str, Any]) -> None:
+        """Continue a run: its next group index and its running totals (the restart budget is per process)."""
         self.next_group = int(state.get("next_group", self.next_group))
+        self._before = {k: int(state.get(k, 0)) for k in ("dropped_over_bound", "dropped_alpha", "worker_restarts")}
 
     def close(self) -> None:
-        self._closing.set()
-        self.stop.set()
-        if not self._started:
-            return
-        self._admitter.join(timeout=2)
+        """Close every worker's pipes (it exits at end-of-file), wait a little, then kill what is left."""
         for w in self.workers:
-            w.join(timeout=5)
-            if w.is_alive():
-                w.terminate()
+            w.tickets.close()
+            w.results.close()
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        for w in self.workers:
+            w.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(timeout=_CLOSE_GRACE_S)
+        self.workers = []

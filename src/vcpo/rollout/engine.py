@@ -7,6 +7,7 @@ rollouts, as in PipelineRL), so one response can span versions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -55,22 +56,34 @@ def sample_next(
     ``q = softmax(logits / T)``; top-p keeps the smallest set of most likely tokens whose mass under q
     reaches ``top_p`` (never empty), and ``mu = q restricted to that set, renormalised``. The token is
     drawn from mu and ``log mu(token)`` is returned. ``greedy`` takes ``argmax q`` and returns ``log q``.
+    A row whose logits hold a NaN or +inf, or no finite value (broken weights), has no distribution: it
+    gets token 0 and log-prob NaN, which the engine ends the row on and the learner skips the step for.
     """
     logits_BV = logits_BV.float()
     if sampling.temperature != 1.0:  # x / 1.0 == x: skip the pass over [B, V]
         logits_BV = logits_BV / sampling.temperature
     logq_BV = torch.log_softmax(logits_BV, dim=-1)
+    # A NaN or +inf logit, or no finite one, makes the whole row of log q NaN, and a sound row has no NaN at
+    # all: one column tells. Broken rows sample a stand-in (discarded) without a host sync to ask first.
+    broken_B = torch.isnan(logq_BV[:, 0])
+    logq_BV = torch.where(broken_B[:, None], 0.0, logq_BV)
     if greedy:
         tokens_B = logq_BV.argmax(dim=-1)
-        return tokens_B, logq_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+        logprobs_B = logq_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+    else:
+        tokens_B, logprobs_B = _sample(logq_BV, sampling.top_p, generator)
+    return tokens_B.masked_fill(broken_B, 0), logprobs_B.masked_fill(broken_B, math.nan)
+
+
+def _sample(logq_BV: Tensor, top_p: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     logmu_BV = logq_BV
     # top_p = 1 keeps everything; skipping the filter avoids dropping tail tokens to cumsum rounding.
-    if sampling.top_p < 1.0:
+    if top_p < 1.0:
         sorted_logq_BV, order_BV = logq_BV.sort(dim=-1, descending=True)
         mass_before_BV = sorted_logq_BV.exp().cumsum(dim=-1) - sorted_logq_BV.exp()
         # A token is kept while the mass of the tokens ranked above it is still short of top_p;
         # the most likely token has zero mass before it, so the nucleus is never empty.
-        drop_sorted_BV = mass_before_BV >= sampling.top_p
+        drop_sorted_BV = mass_before_BV >= top_p
         drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
         logmu_BV = torch.log_softmax(logq_BV.masked_fill(drop_BV, float("-inf")), dim=-1)
     tokens_B = torch.multinomial(logmu_BV.exp(), 1, generator=generator).squeeze(-1)
@@ -237,7 +250,7 @@ class HFRolloutEngine:
             tokens_BN[:, n] = tokens_B
             logprobs_BN[:, n] = logprobs_B
             lengths_B += active_B
-            active_B &= tokens_B != self.eos_id
+            active_B &= (tokens_B != self.eos_id) & ~torch.isnan(logprobs_B)  # a broken row ends, unfinished
             if n + 1 == N or not bool(active_B.any()):
                 break
             # Finished rows keep stepping with a masked pad token so the batch stays rectangular.
@@ -250,5 +263,6 @@ class HFRolloutEngine:
             gen.response_ids = row_tokens[:length]
             gen.behavior_logprobs = row_logprobs[:length]
             gen.versions = versions[:length]
-            gen.finished = length > 0 and row_tokens[length - 1] == self.eos_id
+            last = length - 1
+            gen.finished = length > 0 and row_tokens[last] == self.eos_id and not math.isnan(row_logprobs[last])
         return gens

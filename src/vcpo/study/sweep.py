@@ -63,7 +63,11 @@ CellRunner = Callable[[Cell, list[str]], tuple[int, str]]
 
 def run_subprocess(cell: Cell, argv: list[str]) -> tuple[int, str]:
     """The default runner: the command in a child process, stderr kept to report a failure."""
-    proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
+    from vcpo.runtime import set_parent_death_signal
+
+    # The cell dies with the sweep however the sweep dies (no orphaned training runs).
+    proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False,
+                          preexec_fn=set_parent_death_signal)
     return proc.returncode, proc.stderr[-4000:]
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from vcpo.errors import UserError
 from vcpo.rewards.pool import RewardOutcome
 from vcpo.types import Problem
 
 SPLITS = ("train", "eval")
 
 
-class TaskError(ValueError):
+class TaskError(UserError, ValueError):
     """A user-fixable problem with the task settings; its message is one line naming the culprit."""
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vcpo.models.files import no_chat_template
 from vcpo.tasks.base import TaskError
 from vcpo.types import Problem
 
@@ -53,8 +54,7 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 def missing_chat_template(where: str) -> PromptFormatError:
     """The error for chat prompts and the tokenizer of ``where`` (a model directory), which has no chat template."""
-    return PromptFormatError(f"task.prompt_format=chat but the tokenizer of {where} has no chat template "
-                             "(set task.prompt_format=raw, or add a chat_template to its tokenizer_config.json)")
+    return PromptFormatError(no_chat_template(where))
 
 
 def check_prompt_format(tokenizer: Any, problems: list[Problem], where: str) -> None:

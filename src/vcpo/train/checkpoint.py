@@ -1,6 +1,8 @@
 """Atomic training checkpoints: Hugging Face weights (safetensors) + tokenizer, optimizer, trainer state, RNG.
 
-Layout: ``run_dir/checkpoints/step_000010/`` (loadable with ``from_pretrained``) and a ``latest`` file naming it.
+Layout: ``run_dir/checkpoints/step_000010/`` (loadable with ``from_pretrained``) and a ``latest`` file naming it
+(``vcpo.train.run_dir`` finds them). Non-finite weights are never written; a failed write leaves the previous
+checkpoint the latest and is one error naming the path.
 """
 
 from __future__ import annotations
@@ -8,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,15 +18,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from vcpo.errors import DiskError, UserError
 from vcpo.metrics import fsync_dir
+from vcpo.train.run_dir import LATEST_FILE, complete_checkpoints, latest_checkpoint
 
-_STEP_DIR = re.compile(r"^step_(\d{6,})$")
-LATEST_FILE = "latest"
+__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "set_aside"]
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A missing, incomplete or corrupt checkpoint; the message is one line naming the path."""
 
 
@@ -97,15 +100,11 @@ def _write_latest(ckpt_root: Path, name: str) -> None:
     fsync_dir(ckpt_root)
 
 
-def _complete_steps(ckpt_root: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of every finished checkpoint, oldest first; .tmp dirs of interrupted saves never match."""
-    found = []
-    if ckpt_root.is_dir():
-        for path in ckpt_root.iterdir():
-            match = _STEP_DIR.match(path.name)
-            if match and path.is_dir() and (path / "trainer_state.json").is_file():
-                found.append((int(match.group(1)), path))
-    return sorted(found)
+def check_finite(model: torch.nn.Module, step: int) -> None:
+    """``CheckpointError`` naming the first parameter or buffer that holds a NaN or an infinity."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"refusing to checkpoint step {step}: {name} holds non-finite values")
 
 
 def save_checkpoint(
@@ -125,55 +124,74 @@ def save_checkpoint(
     CPU/CUDA states and each named generator's state). Everything is written into a
     ``.tmp-<pid>`` directory that is renamed into place only when complete; then ``latest`` is
     replaced atomically, and all but the ``keep`` newest checkpoints (and leftovers of interrupted
-    saves: one writer per run directory) are deleted.
+    saves: one writer per run directory) are deleted. Weights holding a NaN or an infinity raise
+    ``CheckpointError`` before anything is written; a failed write raises ``DiskError`` naming the
+    path, removes its partial copy and leaves the previous checkpoint the latest.
     """
     if keep < 1:
         raise CheckpointError(f"keep must be >= 1 checkpoints, got {keep}")
-    ckpt_root = Path(run_dir) / "checkpoints"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / _step_dir_name(step)
-    tmp = ckpt_root / f"{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    check_finite(model, step)
     try:
         state_json = json.dumps({**trainer_state, "step": step}, indent=2)
     except TypeError as e:
         raise CheckpointError(f"trainer_state for step {step} is not JSON-serialisable: {e}") from None
-    with _quiet_progress_bars():
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(_rng_state(generators), tmp / "rng.pt")
-    # trainer_state.json last: its presence is what marks a step directory complete.
-    (tmp / "trainer_state.json").write_text(state_json + "\n", encoding="utf-8")
-    _fsync_tree(tmp)
-    if final.exists():  # re-saving a step (e.g. after a resume): move the old copy aside, never mix the two
-        old = ckpt_root / f"{final.name}.old-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(ckpt_root)
-    _write_latest(ckpt_root, final.name)
-
-    for _, path in _complete_steps(ckpt_root)[:-keep]:
+    ckpt_root = Path(run_dir) / "checkpoints"
+    final = ckpt_root / _step_dir_name(step)
+    tmp = ckpt_root / f"{final.name}.tmp-{os.getpid()}"
+    try:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        with _quiet_progress_bars():
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(_rng_state(generators), tmp / "rng.pt")
+        # trainer_state.json last: its presence is what marks a step directory complete.
+        (tmp / "trainer_state.json").write_text(state_json + "\n", encoding="utf-8")
+        _fsync_tree(tmp)
+        _move_into_place(tmp, final)
+        fsync_dir(ckpt_root)
+        _write_latest(ckpt_root, final.name)
+    except (OSError, RuntimeError, SafetensorError) as e:  # how a full or read-only disk surfaces in each library
+        error = DiskError(tmp, e)  # before the cleanup frees the space it reports on
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise error from None
+    for _, path in complete_checkpoints(run_dir)[:-keep]:
         if path != final:
-            shutil.rmtree(path)
+            shutil.rmtree(path, ignore_errors=True)
     for path in ckpt_root.glob("step_*.tmp-*"):
         shutil.rmtree(path, ignore_errors=True)
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint to resume from: the one ``latest`` names if it is complete, else the newest complete one."""
+def set_aside(run_dir: Path, step: int) -> Path | None:
+    """Rename step ``step``'s checkpoint to ``step_N.suspect`` (kept for inspection, never resumed from) and point
+    ``latest`` at the newest remaining complete one; returns that one (None: none is left, ``latest`` removed)."""
     ckpt_root = Path(run_dir) / "checkpoints"
-    latest = ckpt_root / LATEST_FILE
-    if latest.is_file():
-        name = latest.read_text(encoding="utf-8").strip()
-        if _STEP_DIR.match(name) and (ckpt_root / name / "trainer_state.json").is_file():
-            return ckpt_root / name
-    complete = _complete_steps(ckpt_root)
-    return complete[-1][1] if complete else None
+    target = ckpt_root / _step_dir_name(step)
+    try:
+        if target.is_dir():
+            os.replace(target, target.with_name(f"{target.name}.suspect"))
+        remaining = complete_checkpoints(run_dir)
+        if remaining:
+            _write_latest(ckpt_root, remaining[-1][1].name)
+        else:
+            (ckpt_root / LATEST_FILE).unlink(missing_ok=True)
+        fsync_dir(ckpt_root)
+    except OSError as e:
+        raise DiskError(target, e) from None
+    return remaining[-1][1] if remaining else None
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``; re-saving a step (after a resume) moves the old copy aside, never mixing two."""
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    old = final.with_name(f"{final.name}.old-{os.getpid()}")
+    os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old)
 
 
 def _weight_files(ckpt_dir: Path) -> list[Path]:

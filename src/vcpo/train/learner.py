@@ -84,6 +84,8 @@ class Learner:
         self.objective_kwargs = dict(config.objective.kwargs)
         if config.objective.loss_agg is not None:
             self.objective_kwargs["loss_agg"] = config.objective.loss_agg
+        if config.objective.max_len is not None:
+            self.objective_kwargs["max_len"] = config.objective.max_len
         self.loss_agg = self.objective_kwargs.get("loss_agg", objective_hyperparameters(name)["loss_agg"])
         self.scope = objective_scope(name)
         self.checkpointed = enable_activation_checkpointing(model) if tc.gradient_checkpointing else []
@@ -91,6 +93,8 @@ class Learner:
             raise ConfigError(f"model.lm_head_fp32: {type(model).__name__}'s logits are not a Linear head of its "
                               "hidden states")
         self.version = 0
+        self.skip_reason: str | None = None
+        """Why the last step was skipped (e.g. "non-finite gradient"), None if it was taken."""
 
     @property
     def single_backward(self) -> bool:
@@ -261,14 +265,25 @@ class Learner:
         return metrics
 
     def step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on ``batch``; returns the step's metrics (flat, namespaced)."""
+        """One optimizer step on ``batch``; returns the step's metrics (flat, namespaced).
+
+        A step whose sampled log-probs, loss, ESS or gradient norm is not finite is skipped: no update,
+        ``skipped_step`` = 1 and ``skip_reason`` says which (the trainer counts consecutive ones).
+        """
         t0 = time.perf_counter()
         tc = self.config.trainer
-        metrics = self.backward(batch)
-        grad_norm = self.optimizer.clip_grad_norm(tc.grad_clip)
+        if bool(torch.isfinite(batch.behavior_logprobs_BS[batch.response_mask_BS.bool()]).all()):
+            metrics = self.backward(batch)
+            grad_norm = self.optimizer.clip_grad_norm(tc.grad_clip)
+            self.skip_reason = next((f"non-finite {name}" for name, value in (
+                ("loss", metrics["loss/value"]), ("ESS", metrics["ess/ratio"]), ("gradient", grad_norm))
+                if not math.isfinite(value)), None)
+        else:  # the engine marks a row sampled from non-finite logits with a NaN log-prob: no gradient is sound
+            metrics, grad_norm = {"ess/ratio": math.nan, "loss/value": math.nan}, math.nan
+            self.skip_reason = "non-finite sampling log-prob"
         rho = metrics["ess/ratio"]
-        scale = ess_lr_scale(rho, tc.ess_lr.reference, tc.ess_lr.rule) if tc.ess_lr.enabled else 1.0
-        finite = math.isfinite(grad_norm)
+        finite = self.skip_reason is None
+        scale = ess_lr_scale(rho, tc.ess_lr.reference, tc.ess_lr.rule) if tc.ess_lr.enabled and finite else 1.0
         for group in self.optimizer.param_groups:  # set lr, step, restore (Adam would undo a grad scale)
             group["lr"] = tc.lr * scale
         if finite:

@@ -1,12 +1,18 @@
 """The training loop: warm start, then per step: batch from the rollout source -> learner step ->
 publish weights -> metrics, periodic evaluation and atomic checkpoints. Mode- and objective-blind.
+
+Everything that can fail is checked before the run directory is written; SIGTERM/SIGINT end the run
+with a checkpoint of the last finished step; non-finite steps are skipped, counted, and stop the run
+when ``trainer.max_skipped_steps`` come in a row.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -15,21 +21,25 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from vcpo.config import Config, ConfigError, save_config
-from vcpo.metrics import MetricsLogger, truncate_metrics
-from vcpo.models.loading import declares_chat_template, load_policy
+from vcpo.config import Config
+from vcpo.errors import DiskError, RunFailed, RunInterrupted, signal_name
+from vcpo.metrics import METRICS_FILE, MetricsLogger, truncate_metrics
+from vcpo.models.loading import load_policy
 from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, RolloutSource, SyncSource
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu, resolve_device
 from vcpo.tasks import make_task, prepare_scoring
-from vcpo.tasks.prompts import check_prompt_format, missing_chat_template
-from vcpo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from vcpo.tasks.prompts import check_prompt_format
+from vcpo.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, set_aside
 from vcpo.train.evaluate import EvalSettings
 from vcpo.train.evaluate import evaluate as evaluate_policy
+from vcpo.train.health import RunHealth
 from vcpo.train.learner import Learner
+from vcpo.train.run_dir import SUMMARY_FILE, RunDirectory, resume_candidates
 from vcpo.train.sft import warm_start
-from vcpo.types import Batch, SamplingParams, Trajectory
+from vcpo.train.signals import ForcedExit, StopRequested, StopSignals
+from vcpo.types import Batch, Problem, SamplingParams, Trajectory
 
 console = Console(stderr=True)
 
@@ -89,11 +99,13 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
             task_kwargs=dict(config.task.kwargs), seed=config.seed, prompts_per_step=rc.prompts_per_step,
             group_size=rc.group_size, sampling=sampling, inflight_updates=config.async_.inflight_updates,
             torch_threads=config.runtime.torch_threads, reward_timeout_s=config.task.reward_timeout_s,
-            reward_workers=config.task.reward_workers,
+            reward_workers=config.task.reward_workers, parent_pid=os.getpid(),
+            handoff_timeout_s=config.async_.handoff_timeout_s,
             task_options=config.task.model_dump(exclude={"name", "kwargs", "reward_timeout_s", "reward_workers"}),
         )
-        return AsyncSource(learner.model, spec, config.async_.num_workers, config.async_.generation_bound(),
-                           config.async_.drop_older_than, start_version=learner.version)
+        ac = config.async_
+        return AsyncSource(learner.model, spec, ac.num_workers, ac.generation_bound(), ac.drop_older_than,
+                           start_version=learner.version, max_restarts=ac.max_worker_restarts)
     engine = HFRolloutEngine(learner.model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
                              lm_head_fp32=config.model.lm_head_fp32)
     ctx = RolloutContext(tokenizer, task, ProblemStream(task, config.seed, rc.prompts_per_step), sampling,
@@ -110,110 +122,232 @@ def _progress(enabled: bool) -> Progress:
     )
 
 
-def train(config: Config, resume: bool = False) -> dict[str, Any]:
-    """Run (or resume) the job in ``config.run_dir``; returns the run summary (also in summary.json)."""
-    configure_cpu(config.runtime.torch_threads)
-    device = resolve_device(config.model.device)
-    run_dir = Path(config.run_dir)
-    if not resume and latest_checkpoint(run_dir) is not None:
-        raise ConfigError(f"run_dir {str(run_dir)!r} already holds a run with checkpoints: continue it with "
-                          f"--resume {run_dir}, or choose another run_dir")
-    seed_everything(config.seed)
-    task = make_task(config.task)  # a malformed dataset fails here, before anything is written
-    if config.task.prompt_format == "chat" and declares_chat_template(config.model.path) is False:
-        raise missing_chat_template(config.model.path)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.yaml")
-    prepare_scoring(task)  # the sandboxed scorer starts while the model loads
-    model_path = warm_start(config)
-    model, tokenizer = load_policy(model_path, config.model.dtype, device)
-    learner = Learner(model, config)
-    eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
-    check_prompt_format(tokenizer, eval_problems, str(model_path))
+def say(message: str) -> None:
+    console.print(message, markup=False, highlight=False, soft_wrap=True)
 
-    tc = config.trainer
-    eval_settings = EvalSettings(config.rollout.max_new_tokens, tc.eval_samples, tc.eval_temperature, tc.eval_top_p,
-                                 seed=config.seed, lm_head_fp32=config.model.lm_head_fp32)
-    eval_metrics: dict[str, float] = {}
 
-    def evaluate() -> float:
-        """Greedy accuracy; the whole eval dict (mean@N, pass@N with trainer.eval_samples) kept in eval_metrics."""
-        eval_metrics.clear()
-        eval_metrics.update(evaluate_policy(model, tokenizer, task, eval_problems, eval_settings))
-        return eval_metrics["eval/accuracy"]
+def restore(run_dir: Path, learner: Learner) -> tuple[dict[str, Any], Path | None]:
+    """Load the newest complete and loadable checkpoint into the learner: ``(trainer_state, its dir)``.
 
-    state: dict[str, Any] = {}
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, model, learner.optimizer)
+    A corrupt or incomplete one (truncated weights, bad JSON, a missing optimizer file) is skipped with a
+    warning naming it; when every one fails, ``CheckpointError`` names them all. No checkpoint: ``({}, None)``.
+    """
+    skipped = []
+    for ckpt in resume_candidates(run_dir):
+        try:
+            state = load_checkpoint(ckpt, learner.model, learner.optimizer)
+        except CheckpointError as e:
+            say(f"warning: skipping checkpoint {ckpt.name}: {e}")
+            skipped.append(ckpt.name)
+            continue
         learner.version = int(state["step"])
-        truncate_metrics(run_dir / "metrics.jsonl", after_step=learner.version)
-        console.print(f"resuming {run_dir} from step {learner.version} ({ckpt.name})")
-    elif resume:
-        console.print(f"no checkpoint in {run_dir}: starting from step 0")
-    if not resume or ckpt is None:
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    initial_accuracy = state.get("initial_accuracy")
-    if initial_accuracy is None:
-        initial_accuracy = evaluate()
-        console.print(f"held-out accuracy before RL: {initial_accuracy:.3f}")
+        return state, ckpt
+    if skipped:
+        raise CheckpointError(f"no loadable checkpoint in {str(run_dir)!r}: {', '.join(skipped)} all failed to load")
+    return {}, None
 
-    source = make_source(config, learner, tokenizer, task, model_path)
-    if "source" in state:
-        source.load_state(state["source"])
-    start = time.perf_counter()
-    last_accuracy = state.get("last_accuracy", initial_accuracy)
 
-    def checkpoint() -> None:
-        save_checkpoint(run_dir, learner.version, model, tokenizer, learner.optimizer, {
-            "step": learner.version, "initial_accuracy": initial_accuracy, "last_accuracy": last_accuracy,
-            "source": source.state(),
-        })
+def train(config: Config, resume: bool = False, signals: StopSignals | None = None) -> dict[str, Any]:
+    """Run (or resume) the job in ``config.run_dir``; returns the run summary (also in summary.json).
 
-    try:
-        with (
-            MetricsLogger(run_dir, tensorboard=config.logging.tensorboard) as logger,
-            _progress(config.logging.progress) as bar,
-        ):
-            task_id = bar.add_task("train", total=tc.max_steps, completed=learner.version, info="")
-            last = False
-            while not last and learner.version < tc.max_steps:
-                t0 = time.perf_counter()
-                trajectories = source.next_batch(learner.version)
-                t_rollout = time.perf_counter() - t0
-                metrics = batch_metrics(trajectories, learner.version)
-                batch = Batch.from_trajectories(trajectories, pad_id=tokenizer.pad_token_id)
-                metrics |= learner.step(batch)
-                source.publish(model, learner.version)
-                metrics |= source.metrics()
-                step = learner.version
-                elapsed_s = time.perf_counter() - start
-                last = step == tc.max_steps or (tc.max_time_s is not None and elapsed_s >= tc.max_time_s)
-                if last or (tc.eval_every and step % tc.eval_every == 0):
-                    last_accuracy = evaluate()
-                    metrics |= eval_metrics
-                if step == 1:
-                    metrics["eval/accuracy_initial"] = initial_accuracy
-                metrics |= {"step": step, "time/rollout_wait_s": t_rollout, "time/step_s": time.perf_counter() - t0}
-                logger.log(metrics)
-                bar.update(task_id, completed=step, info=(
-                    f"reward {metrics['reward/mean']:.2f}  ess {metrics['ess/ratio']:.2f}  "
-                    f"stale {metrics['staleness/max']:.0f}  acc {last_accuracy:.2f}"))
-                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and not last:
-                    checkpoint()
-            checkpoint()
-    except BaseException:
-        if learner.version > int(state.get("step", 0)):
-            checkpoint()  # a crash or Ctrl-C keeps every finished step
-            console.print(f"interrupted: checkpoint saved at step {learner.version}; resume with --resume {run_dir}")
-        raise
-    finally:
-        source.close()
+    The model, task and checkpoint are loaded before anything is written to the run directory, and a
+    fresh start that fails before its first finished step removes what it wrote. Raises ``RunFailed``
+    (non-finite streak, rollout workers lost) and ``RunInterrupted`` (SIGTERM/SIGINT), both after keeping
+    every finished step that is sound. ``signals``: the caller's handlers, if it installed them earlier.
+    """
+    with nullcontext(signals) if signals is not None else StopSignals() as signals:
+        try:
+            with signals.interruptible():  # nothing is written yet: a signal may end the start at once
+                configure_cpu(config.runtime.torch_threads)
+                device = resolve_device(config.model.device)
+                run = RunDirectory(config.run_dir, resume)
+                seed_everything(config.seed)
+                task = make_task(config.task)
+                prepare_scoring(task)  # the sandboxed scorer starts while the model loads
+                model_path = warm_start(config)
+                model, tokenizer = load_policy(model_path, config.model.dtype, device)
+                learner = Learner(model, config)
+                state, ckpt = restore(run.path, learner) if resume else ({}, None)
+                eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
+                check_prompt_format(tokenizer, eval_problems, str(model_path))
+        except StopRequested:
+            raise RunInterrupted(f"interrupted by {signal_name(signals.signum)} before the run started; nothing "
+                                 f"was written", signals.signum) from None
+        start_step = learner.version
+        run.open(config)  # the first write to the run directory: everything above could still fail
+        try:
+            if ckpt is not None:
+                truncate_metrics(run.path / METRICS_FILE, after_step=learner.version)
+                say(f"resuming {run.path} from step {learner.version} ({ckpt.name})")
+            else:
+                if resume:
+                    say(f"no checkpoint in {run.path}: starting from step 0")
+                (run.path / METRICS_FILE).unlink(missing_ok=True)
+            return _Job(config, run.path, learner, tokenizer, task, eval_problems, state, signals).run(model_path)
+        except BaseException:
+            if learner.version == start_step:
+                run.discard()  # a fresh start with no finished step leaves nothing behind
+            raise
 
-    summary = {
-        "run_dir": str(run_dir), "steps": learner.version, "initial_accuracy": initial_accuracy,
-        "final_accuracy": last_accuracy, "wall_time_s": time.perf_counter() - start,
-        "objective": config.objective.name, "mode": config.async_.mode, "max_staleness": config.async_.max_staleness,
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+
+class _Job:
+    """One process's share of a run: the loop, its checkpoints and its ending (completed, stopped, interrupted)."""
+
+    def __init__(self, config: Config, run_dir: Path, learner: Learner, tokenizer: Any, task: Any,
+                 eval_problems: list[Problem], state: dict[str, Any], signals: StopSignals) -> None:
+        self.config, self.run_dir, self.learner, self.tokenizer, self.task = config, run_dir, learner, tokenizer, task
+        self.eval_problems, self.state, self.signals = eval_problems, state, signals
+        self.start_step = self.saved_step = self.logged_step = learner.version
+        self.health = RunHealth.from_state(state.get("health"))
+        self.initial_accuracy: float | None = state.get("initial_accuracy")
+        self.last_accuracy: float | None = state.get("last_accuracy", self.initial_accuracy)
+        self.source: RolloutSource | None = None
+        self.started = time.perf_counter()
+        tc = config.trainer
+        self.eval_settings = EvalSettings(config.rollout.max_new_tokens, tc.eval_samples, tc.eval_temperature,
+                                          tc.eval_top_p, seed=config.seed, lm_head_fp32=config.model.lm_head_fp32)
+        self.eval_metrics: dict[str, float] = {}
+
+    def evaluate(self) -> float:
+        """Greedy accuracy; the whole evaluation (with ``eval/mean@N``, ``eval/pass@N`` when trainer.eval_samples
+        is N > 0) is kept in ``eval_metrics`` for the step's metrics line."""
+        self.eval_metrics = evaluate_policy(self.learner.model, self.tokenizer, self.task, self.eval_problems,
+                                            self.eval_settings)
+        return self.eval_metrics["eval/accuracy"]
+
+    def run(self, model_path: Path) -> dict[str, Any]:
+        try:
+            if self.initial_accuracy is None:
+                with self.signals.interruptible():
+                    self.initial_accuracy = self.last_accuracy = self.evaluate()
+                say(f"held-out accuracy before RL: {self.initial_accuracy:.3f}")
+            self.source = make_source(self.config, self.learner, self.tokenizer, self.task, model_path)
+            if "source" in self.state:
+                self.source.load_state(self.state["source"])
+            with (
+                MetricsLogger(self.run_dir, tensorboard=self.config.logging.tensorboard) as logger,
+                _progress(self.config.logging.progress) as bar,
+            ):
+                self.loop(logger, bar)
+            self.checkpoint()
+        except StopRequested:
+            sig = signal_name(self.signals.signum)
+            if self.learner.version == self.start_step:
+                raise RunInterrupted(f"interrupted by {sig} before a step finished; nothing new was kept",
+                                     self.signals.signum) from None
+            self.checkpoint()  # no summary.json: the run is not over (a sweep takes one as a finished cell)
+            raise RunInterrupted(f"interrupted by {sig} after step {self.learner.version}: {self.kept()}",
+                                 self.signals.signum) from None
+        except ForcedExit as e:
+            raise RunInterrupted(f"exited at once on a second {signal_name(e.signum)}: {self.kept()}",
+                                 e.signum) from None
+        except RunFailed as e:
+            self.checkpoint()
+            self.set_aside_suspect()
+            self.finish(f"stopped: {e}")
+            raise RunFailed(f"stopped at step {self.learner.version}: {e}; {self.kept()}") from None
+        except DiskError:  # a full or read-only disk refuses the checkpoint too: the previous one stays the latest
+            raise
+        except BaseException:
+            self.checkpoint_after_crash()
+            raise
+        finally:
+            if self.source is not None:
+                self.source.close()
+        return self.finish("completed")
+
+    def loop(self, logger: MetricsLogger, bar: Progress) -> None:
+        tc, learner = self.config.trainer, self.learner
+        task_id = bar.add_task("train", total=tc.max_steps, completed=learner.version, info="")
+        last = False
+        while not last and learner.version < tc.max_steps:
+            if self.signals.signum is not None:
+                raise StopRequested
+            t0 = time.perf_counter()
+            with self.signals.interruptible():  # rollouts in progress are regenerated on resume
+                trajectories = self.source.next_batch(learner.version)
+            t_rollout = time.perf_counter() - t0
+            metrics = batch_metrics(trajectories, learner.version)
+            batch = Batch.from_trajectories(trajectories, pad_id=self.tokenizer.pad_token_id)
+            metrics |= learner.step(batch)
+            self.source.publish(learner.model, learner.version)
+            metrics |= self.source.metrics()
+            self.health.record(metrics)
+            step = learner.version
+            elapsed_s = time.perf_counter() - self.started
+            last = step == tc.max_steps or (tc.max_time_s is not None and elapsed_s >= tc.max_time_s)
+            if last or (tc.eval_every and step % tc.eval_every == 0):
+                self.last_accuracy = self.evaluate()
+                metrics |= self.eval_metrics
+            if step == 1:
+                metrics["eval/accuracy_initial"] = self.initial_accuracy
+            metrics |= {"step": step, "time/rollout_wait_s": t_rollout, "time/step_s": time.perf_counter() - t0}
+            logger.log(metrics)
+            self.logged_step = step
+            bar.update(task_id, completed=step, info=(
+                f"reward {metrics['reward/mean']:.2f}  ess {metrics['ess/ratio']:.2f}  "
+                f"stale {metrics['staleness/max']:.0f}  acc {self.last_accuracy:.2f}"))
+            if self.health.consecutive_skipped >= tc.max_skipped_steps:
+                hint = ", or use model.dtype=float32" if self.config.model.dtype == "bfloat16" else ""
+                raise RunFailed(
+                    f"{self.health.consecutive_skipped} consecutive steps skipped (trainer.max_skipped_steps="
+                    f"{tc.max_skipped_steps}), the last for a {learner.skip_reason}: lower trainer.lr{hint}")
+            if tc.checkpoint_every and step % tc.checkpoint_every == 0 and not last:
+                self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """Save the last finished step, unless it is saved already, comes in a run of skipped steps (weights that
+        have just produced non-finite values are not worth resuming from, the last good checkpoint is), or did
+        not finish (an error after the update but before its metrics line: weights and metrics would disagree)."""
+        version = self.learner.version
+        if version == self.saved_step or version != self.logged_step or self.health.consecutive_skipped:
+            return
+        trainer_state = {
+            "step": self.learner.version, "initial_accuracy": self.initial_accuracy,
+            "last_accuracy": self.last_accuracy, "source": self.source.state(), "health": self.health.state(),
+        }
+        try:
+            save_checkpoint(self.run_dir, self.learner.version, self.learner.model, self.tokenizer,
+                            self.learner.optimizer, trainer_state)
+        except CheckpointError as e:  # non-finite weights: the previous checkpoint stays the latest
+            raise RunFailed(str(e)) from None
+        self.saved_step = self.learner.version
+
+    def set_aside_suspect(self) -> None:
+        """After a run of skipped steps, the checkpoint of the step just before it holds the weights that went on
+        to fail (finite, yet producing NaN): set it aside so that a resume starts from the one before."""
+        suspect = self.learner.version - self.health.consecutive_skipped
+        if self.health.consecutive_skipped and self.saved_step == suspect > 0:
+            kept = set_aside(self.run_dir, suspect)
+            self.saved_step = int(kept.name.split("_")[1]) if kept is not None else 0
+            say(f"warning: set aside the checkpoint of step {suspect}, written just before the skipped steps")
+
+    def checkpoint_after_crash(self) -> None:
+        """On an unexpected error, keep every finished step if possible, without hiding the error itself."""
+        if self.source is None or self.learner.version == self.saved_step:
+            return
+        try:
+            self.checkpoint()
+            say(f"crashed after step {self.learner.version}: {self.kept()}")
+        except Exception as e:
+            say(f"crashed after step {self.learner.version}, and its checkpoint failed too: {e}")
+
+    def kept(self) -> str:
+        """Where a resume would start."""
+        if self.saved_step == 0:
+            return "no checkpoint to resume from"
+        return f"the latest checkpoint is step {self.saved_step}; continue with --resume {self.run_dir}"
+
+    def finish(self, status: str) -> dict[str, Any]:
+        """Write summary.json (accuracy, status, and every count of what went wrong) and return it."""
+        summary = {
+            "run_dir": str(self.run_dir), "status": status, "steps": self.learner.version,
+            "initial_accuracy": self.initial_accuracy, "final_accuracy": self.last_accuracy,
+            "wall_time_s": time.perf_counter() - self.started, "objective": self.config.objective.name,
+            "mode": self.config.async_.mode, "max_staleness": self.config.async_.max_staleness,
+        } | self.health.counts(self.source.metrics() if self.source is not None else {})
+        try:
+            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        except OSError as e:
+            raise DiskError(self.run_dir / SUMMARY_FILE, e) from None
+        return summary

@@ -1,0 +1,1 @@
+"""Helpers for checking vcpo from the outside (tests and benchmarks): processes, shared memory, fault injection."""

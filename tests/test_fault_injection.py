@@ -1,0 +1,147 @@
+"""Fault injection through the real command line, the fast cases of benchmarks/fault_injection.py: kill -9 of
+a rollout worker (restarted, then out of restarts), kill -9 of the trainer (no process or shared-memory
+segment left), each resumed to the end with no step lost or repeated; a lagged run stopped by SIGTERM
+(a checkpoint, exit 143) resumes to the same metrics as an uninterrupted one; non-finite steps stop a run;
+failed commands change nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from vcpo.config import load_config, save_config
+from vcpo.testing.faults import descendants, shm_segments, start_train, wait_for_lines, wait_gone, worker_pids
+
+from conftest import LAGGED, ROOT, metrics, vcpo
+
+
+class Run:
+    """A `vcpo train` process in its own session (so that the test can always clean it up)."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.log = tmp_path / f"log-{time.monotonic_ns()}.txt"
+        self.proc = start_train(list(args), self.log, ROOT)
+
+    def finish(self, timeout_s: float = 300) -> tuple[int, list[str]]:
+        code = self.proc.wait(timeout=timeout_s)
+        return code, [line for line in self.log.read_text().splitlines() if line.strip()]
+
+    def cleanup(self) -> None:
+        """Kill whatever of its process group is left, even when a failed assertion left it running."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+@pytest.fixture
+def runs(tmp_path):
+    started: list[Run] = []
+
+    def start(*args: str) -> Run:
+        started.append(Run(tmp_path, *args))
+        return started[-1]
+
+    yield start
+    for run in started:
+        run.cleanup()
+
+
+def steps(run_dir: Path) -> list[int]:
+    return [m["step"] for m in metrics(run_dir)]
+
+
+def wait_for_restart_in_checkpoint(run_dir: Path, proc, timeout_s: float = 300) -> None:
+    """Until the latest checkpoint counts a worker restart (so that the kill below cannot lose it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+            state = json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
+            if state["source"]["worker_restarts"] == 1:
+                return
+        except (OSError, ValueError, KeyError):  # between a checkpoint's rename and its 'latest' file
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint counted the restart"
+        time.sleep(0.05)
+
+
+def test_async_run_survives_worker_kills_and_a_trainer_kill(tmp_path, tiny, runs):
+    run_dir = tmp_path / "async"
+    args = [*tiny, f"run_dir={run_dir}", "async.mode=async", "async.max_staleness=1", "trainer.max_steps=8"]
+    first = runs(*args, "async.max_worker_restarts=0")
+    wait_for_lines(run_dir / "metrics.jsonl", 1, first.proc)
+    os.kill(worker_pids(first.proc.pid)[0], signal.SIGKILL)  # no restart allowed: the run stops with a checkpoint
+    code, lines = first.finish()
+    done = len(steps(run_dir))
+    assert code == 1 and lines[-1] == (
+        f"error: stopped at step {done}: rollout worker 0 was killed by SIGKILL; no restart left "
+        f"(async.max_worker_restarts=0); the latest checkpoint is step {done}; continue with --resume {run_dir}")
+
+    second = runs("--resume", str(run_dir), "async.max_worker_restarts=1")
+    wait_for_lines(run_dir / "metrics.jsonl", done + 1, second.proc)
+    os.kill(worker_pids(second.proc.pid)[0], signal.SIGKILL)  # restarted, its groups re-issued
+    wait_for_restart_in_checkpoint(run_dir, second.proc)
+    family = descendants(second.proc.pid)
+    segments = shm_segments([second.proc.pid, *family])
+    assert family and segments
+    second.proc.kill()  # kill -9 of the trainer: nothing outlives it
+    second.proc.wait()
+    wait_gone(family)
+    assert [s for s in segments if os.path.exists(s)] == []
+    assert "restarted it (1 of 1)" in second.log.read_text()
+
+    code, lines = runs("--resume", str(run_dir)).finish()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert code == 0 and steps(run_dir) == list(range(1, 9))  # no step lost or repeated
+    assert (summary["status"], summary["worker_restarts"]) == ("completed", 1)
+    assert lines[-1].endswith(f"worker restarts 1; run: {run_dir}")
+
+
+def test_a_lagged_run_stopped_by_sigterm_resumes_to_the_uninterrupted_metrics(tmp_path, tiny, lagged_full, runs):
+    run_dir = tmp_path / "part"
+    part = runs(*tiny, *LAGGED, f"run_dir={run_dir}")
+    wait_for_lines(run_dir / "metrics.jsonl", 2, part.proc)
+    part.proc.send_signal(signal.SIGTERM)
+    code, lines = part.finish()
+    done = len(steps(run_dir))
+    assert code == 143 and lines[-1] == (f"interrupted by SIGTERM after step {done}: the latest checkpoint is step "
+                                         f"{done}; continue with --resume {run_dir}")
+    vcpo("train", "--resume", str(run_dir))
+
+    def without_times(run: Path) -> list[dict]:
+        return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics(run)]
+
+    assert without_times(run_dir) == without_times(lagged_full)
+
+
+def test_a_failed_resume_leaves_config_yaml_as_it_was(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    save_config(load_config(None, [f"run_dir={run_dir}"]), run_dir / "config.yaml")
+    before = (run_dir / "config.yaml").read_bytes()
+    proc = vcpo("train", "--resume", str(run_dir), f"model.path={tmp_path / 'bad'}", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: model path '{tmp_path / 'bad'}' does not exist"
+    assert (run_dir / "config.yaml").read_bytes() == before
+
+
+def test_consecutive_non_finite_steps_stop_the_run_and_are_counted(tmp_path, tiny):
+    run_dir = tmp_path / "run"  # lr 1e3: step 1 wrecks the weights, the next steps' gradients are not finite
+    proc = vcpo("train", *tiny, f"run_dir={run_dir}", "async.mode=sync", "trainer.max_steps=10", "trainer.lr=1e3",
+                "trainer.max_skipped_steps=2", "trainer.checkpoint_every=1", check=False)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert lines[-1].startswith("error: stopped at step 3: 2 consecutive steps skipped (trainer.max_skipped_steps=2), "
+                                "the last for a non-finite ")  # gradient, here: which one depends on the CPU
+    assert lines[-1].endswith(": lower trainer.lr; no checkpoint to resume from")
+    assert "set aside the checkpoint of step 1" in lines[-2]  # step 1's update made the weights that failed
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001.suspect"]
+    assert (summary["steps"], summary["skipped_steps"]) == (3, 2)
+    assert summary["status"].startswith("stopped: 2 consecutive steps skipped")
