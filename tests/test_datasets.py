@@ -144,7 +144,6 @@ def test_a_gsm8k_reference_is_the_number_after_the_hashes_whatever_precedes_it(v
     assert reference_of(f"{working}\n#### {value:,}", "gsm8k", "answer", "f:1") == str(value)
 
 
-@given(st.sets(st.text(min_size=1, max_size=12), min_size=300, max_size=300))
-def test_the_hash_split_holds_out_about_the_fraction_asked(questions):
-    held = sum(in_eval_split(q, 0.2) for q in questions)
-    assert 20 <= held <= 100  # 300 x 0.2 = 60 expected; binomial sd 6.9, so this band is beyond 5 sd
+def test_the_hash_split_holds_out_about_the_fraction_asked():
+    held = sum(in_eval_split(f"What is {i} + {i % 7}?", 0.2) for i in range(2000))
+    assert 340 <= held <= 460  # 2000 x 0.2 = 400 expected; binomial sd 17.9, so this band is beyond 3 sd
