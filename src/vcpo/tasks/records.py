@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vcpo.errors import UserError
 from vcpo.rewards.answers import after_hashes, last_boxed, normalize_number
 
 DATASET_TASKS = ("jsonl", "parquet")
@@ -18,7 +19,7 @@ ANSWER_FIELDS = ("answer", "solution")
 PARQUET_HINT = "pip install -e '.[parquet]' (or pip install pyarrow)"
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A dataset file or setting that cannot be used; one line naming the file and line (or the config key)."""
 
 
