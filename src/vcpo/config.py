@@ -48,7 +48,8 @@ class ModelConfig(_Strict):
 
 class TaskConfig(_Strict):
     name: str = "chain_sum"
-    """A reasoning-gym dataset name, or ``jsonl`` / ``parquet``: a local dataset file (docs/datasets.md)."""
+    """A reasoning-gym dataset name, ``jsonl`` / ``parquet`` for a local dataset file (docs/datasets.md), or
+    ``tools:<dataset>`` for its multi-turn tool task (docs/tools.md)."""
     kwargs: dict[str, Any] = Field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
     )

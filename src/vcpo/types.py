@@ -58,10 +58,24 @@ class Trajectory:
     sampling: SamplingParams
     response_text: str = ""
     reward_status: str = "ok"  # how the reward came about: ok, error, crash or timeout (vcpo.rewards.pool)
+    # Multi-turn episodes (vcpo.envs.multiturn): 1 on tokens the model sampled, 0 on environment observations
+    # (never trained on); None means every response token is the model's. ``trainable`` False takes the whole
+    # trajectory out of the loss (SimpleTIR's void turns); ``env_stats`` holds per-episode counts (``tools/...``).
+    response_mask: list[int] | None = None
+    trainable: bool = True
+    env_stats: dict[str, float] = field(default_factory=dict)
 
     @property
     def min_version(self) -> int:
         return min(self.versions) if self.versions else 0
+
+    def model_token_mask(self) -> list[int]:
+        """1 on each response token the model sampled, 0 on observation tokens."""
+        return list(self.response_mask) if self.response_mask is not None else [1] * len(self.response_ids)
+
+    def model_versions(self) -> list[int]:
+        """The policy versions of the model's own tokens (observation tokens left out)."""
+        return [v for v, m in zip(self.versions, self.model_token_mask(), strict=True) if m]
 
 
 @dataclass
@@ -69,7 +83,8 @@ class Batch:
     """Trajectories padded into [B, S] tensors, prompt then response, right-padded.
 
     Position t of ``behavior_logprobs_BS`` / ``versions_BS`` refers to token ``input_ids_BS[b, t]``;
-    ``response_mask_BS`` is 1 on response tokens only (so position 0 is never counted).
+    ``response_mask_BS`` is 1 on the response tokens the model sampled and is trained on (so position 0, the
+    prompt, environment observations and untrainable trajectories are never counted).
     """
 
     input_ids_BS: Tensor
@@ -107,8 +122,9 @@ class Batch:
             p, r = len(t.prompt_ids), len(t.response_ids)
             input_ids[b, : p + r] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
             attention[b, : p + r] = 1
-            response[b, p : p + r] = 1.0
             if r:
+                mask = t.model_token_mask() if t.trainable else [0] * r
+                response[b, p : p + r] = torch.tensor(mask, dtype=torch.float32)
                 blp[b, p : p + r] = torch.tensor(t.behavior_logprobs, dtype=torch.float32)
                 versions[b, p : p + r] = torch.tensor(t.versions, dtype=torch.long)
         return cls(

@@ -85,8 +85,9 @@ class StalenessController:
 
 
 def staleness_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[str, float]:
-    """Per-token policy lag of a batch: ``staleness/{min,mean,max}`` in optimizer steps."""
-    lags = [learner_version - v for t in trajectories for v in t.versions]
+    """Per-token policy lag of a batch's model tokens (not environment observations): ``staleness/{min,mean,max}``
+    in optimizer steps."""
+    lags = [learner_version - v for t in trajectories for v in t.model_versions()]
     if not lags:
         return {"staleness/min": 0.0, "staleness/mean": 0.0, "staleness/max": 0.0}
     return {

@@ -15,15 +15,21 @@ _EXPORTS = {
     "prepare_scoring": "vcpo.tasks.base", "score_completions": "vcpo.tasks.base",
     "ReasoningGymTask": "vcpo.tasks.reasoning_gym_task", "DatasetTask": "vcpo.tasks.dataset_task",
     "PromptFormat": "vcpo.tasks.prompts", "encode_prompts": "vcpo.tasks.prompts",
+    "ToolTask": "vcpo.tasks.tool_task", "TOOL_PREFIX": "vcpo.tasks.tool_task",
 }
 
 
 def make_task(config: TaskConfig) -> Task:
-    """The task a config names: a :class:`DatasetTask` for ``jsonl`` / ``parquet``, else
-    ``ReasoningGymTask(config.name, **config.kwargs)``; both with the config's prompt format, reward deadline and
-    scoring workers. Bad settings raise TaskError (one line)."""
+    """The task a config names: a :class:`DatasetTask` for ``jsonl`` / ``parquet``, the multi-turn :class:`ToolTask`
+    for ``tools:<dataset>``, else ``ReasoningGymTask(config.name, **config.kwargs)``; with the config's prompt format
+    (single-turn tasks), reward deadline and scoring workers. Bad settings raise TaskError (one line)."""
     from vcpo.tasks.prompts import PromptFormat
     from vcpo.tasks.records import DATASET_TASKS
+    from vcpo.tasks.tool_task import TOOL_PREFIX, ToolTask
+
+    if config.name.startswith(TOOL_PREFIX):
+        return ToolTask(config.name, reward_timeout_s=config.reward_timeout_s, reward_workers=config.reward_workers,
+                        **config.kwargs)
 
     prompt_format = PromptFormat(config.prompt_format, config.system_prompt, config.instruction)
     common = {"prompt_format": prompt_format, "reward_timeout_s": config.reward_timeout_s,

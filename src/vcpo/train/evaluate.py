@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
+from vcpo.envs.multiturn import is_multiturn
 from vcpo.rollout.engine import HFRolloutEngine
+from vcpo.rollout.episodes import run_episodes
 from vcpo.tasks import Task, score_completions
 from vcpo.tasks.prompts import encode_prompts
 from vcpo.types import Problem, SamplingParams
@@ -68,12 +70,24 @@ def greedy_completions(model: Any, tokenizer: Any, problems: list[Problem], max_
                        lm_head_fp32=lm_head_fp32)
 
 
+@torch.no_grad()
+def greedy_episodes(model: Any, tokenizer: Any, task: Any, problems: list[Problem], max_new_tokens: int,
+                    lm_head_fp32: bool = False) -> list[Any]:
+    """Greedy multi-turn episodes of ``problems`` (a ``MultiTurnEnv`` task), through the rollout engine."""
+    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                             lm_head_fp32=lm_head_fp32)
+    prompt_ids = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+    return run_episodes(engine, tokenizer, task, problems, prompt_ids, SamplingParams(max_new_tokens=max_new_tokens),
+                        greedy=True)
+
+
 def evaluate(
     model: Any, tokenizer: Any, task: Task, problems: list[Problem], settings: EvalSettings
 ) -> dict[str, float]:
     """``{"eval/accuracy": greedy accuracy}`` and, with ``settings.samples = N > 0``, ``eval/mean@N`` and
     ``eval/pass@N`` (:func:`at_k_metrics`). A completion counts as correct when its reward is exactly 1.0 (partial
-    credit, which some reasoning-gym scorers give, does not). Sampling is seeded by ``settings.seed``."""
+    credit, which some reasoning-gym scorers give, does not). Sampling is seeded by ``settings.seed``. A multi-turn
+    task is evaluated on greedy episodes only (``max_new_tokens`` per turn, scored by its environment)."""
     if not problems:
         return {"eval/accuracy": 0.0}
     was_training = model.training
@@ -84,6 +98,10 @@ def evaluate(
     correct, rows = 0, []
     for i in range(0, len(problems), settings.batch_size):
         chunk = problems[i : i + settings.batch_size]
+        if is_multiturn(task):
+            correct += sum(e.reward == 1.0 for e in greedy_episodes(model, tokenizer, task, chunk,
+                                                                   settings.max_new_tokens, settings.lm_head_fp32))
+            continue
         texts = completions(model, tokenizer, chunk, greedy_sampling, True, lm_head_fp32=settings.lm_head_fp32)
         correct += sum(o.reward == 1.0 for o in score_completions(task, chunk, texts))
         if settings.samples:
@@ -93,7 +111,7 @@ def evaluate(
             rows += [hits[j : j + settings.samples] for j in range(0, len(hits), settings.samples)]
     model.train(was_training)
     metrics = {"eval/accuracy": correct / len(problems)}
-    if settings.samples:
+    if rows:
         metrics |= {f"eval/{key}": value for key, value in at_k_metrics(rows, settings.samples).items()}
     return metrics
 

@@ -19,6 +19,7 @@ import torch
 from rich.console import Console
 
 from vcpo.config import Config
+from vcpo.envs.multiturn import is_multiturn
 from vcpo.models import default as default_model
 from vcpo.models.loading import load_policy
 from vcpo.runtime import resolve_device
@@ -103,7 +104,9 @@ def _build_and_train(config: Config, task: Task, out_dir: Path, say: Any) -> dic
     model, tokenizer = load_policy(out_dir, device=resolve_device(config.model.device))
     start = time.perf_counter()
     problems = task.problems("train", config.sft.steps * config.sft.batch_size, seed)
-    losses = train_sft(model, tokenizer, problems, config.sft.steps, config.sft.batch_size, config.sft.lr, say)
+    demonstration = task.demonstration if is_multiturn(task) else None
+    losses = train_sft(model, tokenizer, problems, config.sft.steps, config.sft.batch_size, config.sft.lr, say,
+                       demonstration=demonstration)
     train_s = time.perf_counter() - start
     eval_problems = task.problems("eval", config.task.eval_size, seed)
     accuracy = evaluate_accuracy(model, tokenizer, task, eval_problems, config.rollout.max_new_tokens)
@@ -124,8 +127,11 @@ def train_sft(
     batch_size: int,
     lr: float,
     say: Any = console.print,
+    demonstration: Any = None,
 ) -> list[float]:
-    """Teacher-forced fine-tuning on ``prompt + answer + EOS``, loss on the answer and EOS tokens only.
+    """Teacher-forced fine-tuning on ``prompt + answer + EOS``, loss on the answer and EOS tokens only; with
+    ``demonstration`` (a multi-turn task's, see ``MultiTurnEnv.demonstration``) on its solved episodes instead,
+    loss on the model's turns (each followed by EOS) only, never on the environment's observations.
 
     Step ``s`` uses ``problems[s*batch_size:(s+1)*batch_size]``; AdamW, learning rate warmed up linearly
     over the first 5% of steps, then constant. Constant rather than annealed on purpose: annealing to
@@ -147,7 +153,8 @@ def train_sft(
     start = time.perf_counter()
     for step in range(steps):
         chunk = problems[step * batch_size : (step + 1) * batch_size]
-        input_ids_BS, attention_mask_BS, labels_BS = (t.to(device) for t in _teacher_forcing_batch(tokenizer, chunk))
+        input_ids_BS, attention_mask_BS, labels_BS = (
+            t.to(device) for t in _teacher_forcing_batch(tokenizer, chunk, demonstration))
         loss = model(input_ids=input_ids_BS, attention_mask=attention_mask_BS, labels=labels_BS).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -161,15 +168,26 @@ def train_sft(
     return losses
 
 
-def _teacher_forcing_batch(tokenizer: Any, problems: list[Problem]) -> tuple[torch.Tensor, ...]:
-    """Right-padded ``prompt + answer + EOS`` ids, their attention mask, and labels masked to the answer."""
-    prompts = encode_prompts(tokenizer, problems)
-    answers = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
+def _model_segments(problem: Problem, demonstration: Any) -> list[tuple[str, bool]]:
+    """The text segments after the prompt of one example, each marked True when the model writes it (then EOS)."""
+    return demonstration(problem) if demonstration else [(problem.answer, True)]
+
+
+def _teacher_forcing_batch(tokenizer: Any, problems: list[Problem], demonstration: Any = None
+                           ) -> tuple[torch.Tensor, ...]:
+    """Right-padded example ids (the prompt as training tokenizes it, then the answer + EOS or a demonstration's
+    segments), their attention mask, and labels masked to the model's own segments and their EOS."""
     rows, label_rows = [], []
-    for prompt_ids, answer_ids in zip(prompts, answers, strict=True):
-        answer_ids = [*answer_ids, tokenizer.eos_token_id]
-        rows.append(prompt_ids + answer_ids)
-        label_rows.append([IGNORE_INDEX] * len(prompt_ids) + answer_ids)
+    for problem, prompt_ids in zip(problems, encode_prompts(tokenizer, problems), strict=True):
+        row, labels = list(prompt_ids), [IGNORE_INDEX] * len(prompt_ids)
+        for text, by_model in _model_segments(problem, demonstration):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if by_model:
+                ids = [*ids, tokenizer.eos_token_id]
+            row += ids
+            labels += ids if by_model else [IGNORE_INDEX] * len(ids)
+        rows.append(row)
+        label_rows.append(labels)
     S = max(len(r) for r in rows)
     input_ids_BS = torch.full((len(rows), S), tokenizer.pad_token_id, dtype=torch.long)
     attention_mask_BS = torch.zeros((len(rows), S), dtype=torch.long)

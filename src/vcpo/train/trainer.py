@@ -53,13 +53,13 @@ def seed_everything(seed: int) -> None:
 def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[str, float]:
     """Reward, group-variance and length statistics of the trajectories a step trains on, and how many of their
     rewards are zeros the scorer forced: ``reward/errors`` (it raised or its process crashed), ``reward/timeouts``
-    (killed at ``task.reward_timeout_s``)."""
+    (killed at ``task.reward_timeout_s``). Lengths count the model's own tokens (not environment observations)."""
     rewards = torch.tensor([t.reward for t in trajectories])
     by_group: dict[int, list[float]] = {}
     for t in trajectories:
         by_group.setdefault(t.group_id, []).append(t.reward)
     zero_var = sum(1 for r in by_group.values() if max(r) == min(r))
-    lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
+    lengths = torch.tensor([sum(t.model_token_mask()) for t in trajectories], dtype=torch.float32)
     return {
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std(unbiased=False)),
@@ -70,7 +70,24 @@ def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[
         "response/length_max": float(lengths.max()),
         "response/truncated_frac": float(sum(not t.finished for t in trajectories) / len(trajectories)),
         "batch/size": float(len(trajectories)),
-    } | staleness_metrics(trajectories, learner_version)
+    } | staleness_metrics(trajectories, learner_version) | tool_metrics(trajectories)
+
+
+def tool_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Multi-turn episode statistics (none for single-turn batches): tool calls and model turns per episode, tool
+    runs that failed (summed), void-turn episodes, and the fraction of response tokens masked as observations."""
+    stats = [t.env_stats for t in trajectories if t.env_stats]
+    if not stats:
+        return {}
+    total = sum(len(t.response_ids) for t in trajectories)
+    masked = total - sum(sum(t.model_token_mask()) for t in trajectories)
+    return {
+        "tools/calls_per_episode": sum(s["tool_calls"] for s in stats) / len(stats),
+        "tools/turns_mean": sum(s["turns"] for s in stats) / len(stats),
+        "tools/errors": float(sum(s["tool_errors"] for s in stats)),
+        "tools/void_frac": sum(s["void"] for s in stats) / len(stats),
+        "tools/masked_frac": masked / max(total, 1),
+    }
 
 
 def make_source(config: Config, learner: Learner, tokenizer, task, model_path: Path) -> RolloutSource:
@@ -277,8 +294,10 @@ class _Job:
             elapsed_s = time.perf_counter() - self.started
             last = step == tc.max_steps or (tc.max_time_s is not None and elapsed_s >= tc.max_time_s)
             if last or (tc.eval_every and step % tc.eval_every == 0):
+                t_eval = time.perf_counter()
                 self.last_accuracy = self.evaluate()
                 metrics |= self.eval_metrics
+                metrics["time/eval_s"] = time.perf_counter() - t_eval
             if step == 1:
                 metrics["eval/accuracy_initial"] = self.initial_accuracy
             metrics |= {"step": step, "time/rollout_wait_s": t_rollout, "time/step_s": time.perf_counter() - t0}
