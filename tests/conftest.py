@@ -92,6 +92,10 @@ def make_inputs(lp, blp, adv, mask=None, **extra) -> tuple[ObjectiveInputs, torc
 
 LN2 = math.log(2.0)
 
+# A small Jinja chat template in the style of ChatML, written with characters of the embedded tokenizer.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
 
 def processes_with(marker: str) -> list[int]:
     """PIDs of live (non-zombie) processes whose command line holds ``marker``."""

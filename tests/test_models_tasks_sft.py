@@ -13,7 +13,7 @@ from vcpo.config import Config, LoggingConfig, ModelConfig, SFTConfig, TaskConfi
 from vcpo.models import ModelLoadError, build_char_tokenizer, build_default_model, load_policy
 from vcpo.tasks import ReasoningGymTask, Task, TaskError, make_task
 from vcpo.tasks.reasoning_gym_task import generator_seed
-from vcpo.train import sft
+from vcpo.train import evaluate, sft
 from vcpo.types import Problem
 
 SMALL_SUMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
@@ -160,7 +160,7 @@ def test_warm_start_returns_a_given_model_path_unchanged(tmp_path):
 def test_evaluate_accuracy_counts_exact_greedy_matches(model_dir, task):
     model, tok = load_policy(model_dir)
     problems = task.problems("eval", 4, seed=2)
-    greedy = sft.greedy_completions(model, tok, [p.prompt for p in problems], max_new_tokens=3)
+    greedy = evaluate.greedy_completions(model, tok, problems, max_new_tokens=3)
 
     class ExactMatch:
         name = "exact"
@@ -171,4 +171,4 @@ def test_evaluate_accuracy_counts_exact_greedy_matches(model_dir, task):
     # make the first three answers what the model says greedily; the last one can never match (>3 tokens)
     rigged = [Problem(p.uid, p.prompt, g) for p, g in zip(problems[:3], greedy[:3], strict=True)]
     rigged.append(Problem("never", problems[3].prompt, "never"))
-    assert sft.evaluate_accuracy(model, tok, ExactMatch(), rigged, max_new_tokens=3, batch_size=2) == 0.75
+    assert evaluate.evaluate_accuracy(model, tok, ExactMatch(), rigged, max_new_tokens=3, batch_size=2) == 0.75

@@ -32,12 +32,17 @@ ray = pytest.importorskip("ray")
 def cluster() -> str:
     """The local Ray instance a run with ``ray.address: null`` starts (4 CPUs, localhost), kept for the module;
     command-line runs join it by its address."""
+    import signal
+
     from vcpo.orchestration.ray.session import RaySession
 
+    before = signal.getsignal(signal.SIGTERM)
     with RaySession(load_config(None, ["async.backend=ray", "ray.num_cpus=4"])) as session:
         assert session.owned and ray.cluster_resources()["CPU"] == 4
+        # ray.init installs a SIGTERM handler of its own; vcpo's must stay in charge (checkpoint, exit 143).
+        assert signal.getsignal(signal.SIGTERM) is before
         yield ray.get_runtime_context().gcs_address
-    assert not ray.is_initialized()
+    assert not ray.is_initialized() and signal.getsignal(signal.SIGTERM) is before
 
 
 def test_bound_holds_across_jittery_actors_and_a_killed_actor_is_restarted(cluster, tmp_path):

@@ -6,7 +6,6 @@ be; 1 a run that started and could not go on; 128 + signal when SIGTERM (143) or
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from pathlib import Path
@@ -72,7 +71,8 @@ def sft(
         from vcpo.runtime import resolve_device
         from vcpo.study.provenance import warm_start_hash
         from vcpo.tasks import make_task
-        from vcpo.train.sft import evaluate_accuracy, warm_start
+        from vcpo.train.evaluate import evaluate_accuracy
+        from vcpo.train.sft import warm_start
 
         torch.set_num_threads(cfg.runtime.torch_threads)
         path = warm_start(cfg)
@@ -146,26 +146,35 @@ def evaluate(
     model_path: Annotated[Path, typer.Argument(help="A Hugging Face model directory (e.g. a checkpoint).")],
     config: ConfigOpt = None,
     overrides: Overrides = None,
+    samples: Annotated[int, typer.Option("--samples", min=0, help="Samples per problem for mean@N and pass@N "
+                                         "(0 = greedy only).")] = 8,
+    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature of the N samples.")] = 0.8,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus mass of the N samples.")] = 0.7,
+    dataset: Annotated[list[Path] | None, typer.Option("--dataset", help="A JSONL/Parquet file to evaluate on, "
+                                                       "all of it (repeatable); default: the config's task.")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Where to write the JSON report.")] = Path("eval.json"),
 ) -> None:
-    """Greedy accuracy of a model on the held-out split of the configured task."""
+    """Greedy accuracy, mean@N and pass@N (unbiased estimator) of a model per dataset: JSON file and table."""
     from vcpo.errors import UserError
 
     try:
+        from vcpo.config import ConfigError
         from vcpo.models.files import check_model_dir
 
+        if not temperature > 0 or not 0 < top_p <= 1:
+            raise ConfigError(f"--temperature must be > 0 and --top-p in (0, 1], got {temperature} and {top_p}")
         cfg = _load(config, overrides)
         check_model_dir(model_path)
+        for path in dataset or []:
+            if not path.is_file():
+                raise ConfigError(f"--dataset {str(path)!r} is not a file")
         _quiet_libraries()
-        from vcpo.models.loading import load_policy
-        from vcpo.runtime import resolve_device
-        from vcpo.tasks import make_task
-        from vcpo.train.sft import evaluate_accuracy
+        from vcpo.train.eval_report import run_eval, write_report
+        from vcpo.train.evaluate import EvalSettings
 
-        model, tokenizer = load_policy(model_path, cfg.model.dtype, resolve_device(cfg.model.device))
-        task = make_task(cfg.task)
-        acc = evaluate_accuracy(model, tokenizer, task, task.problems("eval", cfg.task.eval_size, seed=cfg.seed),
-                                cfg.rollout.max_new_tokens, lm_head_fp32=cfg.model.lm_head_fp32)
-        print(json.dumps({"model": str(model_path), "task": cfg.task.name, "eval/accuracy": acc}))
+        settings = EvalSettings(cfg.rollout.max_new_tokens, samples, temperature, top_p, seed=cfg.seed,
+                                lm_head_fp32=cfg.model.lm_head_fp32)
+        write_report(run_eval(cfg, model_path, dataset or [], settings), out, Console())
     except UserError as exc:
         _fail(exc)
 

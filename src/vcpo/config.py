@@ -48,11 +48,23 @@ class ModelConfig(_Strict):
 
 class TaskConfig(_Strict):
     name: str = "chain_sum"
-    """A reasoning-gym dataset name, or ``tools:<dataset>`` for its multi-turn tool task (docs/tools.md)."""
+    """A reasoning-gym dataset name, ``jsonl`` / ``parquet`` for a local dataset file (docs/datasets.md), or
+    ``tools:<dataset>`` for its multi-turn tool task (docs/tools.md)."""
     kwargs: dict[str, Any] = Field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
     )
-    """Passed to the reasoning-gym dataset config (e.g. digit counts)."""
+    """Passed to the reasoning-gym dataset config (e.g. digit counts); for ``jsonl`` / ``parquet``: ``path`` (or
+    ``train_path`` and ``eval_path``), ``prompt_field``, ``answer_field``, ``answer_format``, ``eval_fraction``."""
+    prompt_format: Literal["raw", "chat"] = "raw"
+    """``raw``: the prompt text as is; ``chat``: the tokenizer's chat template (an error when it has none)."""
+    system_prompt: str | None = None
+    """Chat format: a system message before the problem; None = none."""
+    instruction: str | None = None
+    """Appended to the problem on its own line; None = the format's default ("Please reason step by step, and put
+    your final answer within \\boxed{}." in chat format, nothing in raw format); "" = none."""
+    reward: Literal["native", "math", "auto"] = "native"
+    """reasoning-gym tasks: ``native`` = the dataset's own scorer, ``math`` = math-verify on the reference answer,
+    ``auto`` = math when every one of 64 sampled answers is a number. Dataset files are always scored by math."""
     eval_size: int = Field(200, gt=0)
     """Held-out problems for ``eval/accuracy`` (a separate seed from the training stream)."""
     reward_timeout_s: float = Field(5.0, gt=0, le=3600)
@@ -60,6 +72,14 @@ class TaskConfig(_Strict):
     reward_workers: int = Field(1, gt=0, le=64)
     """Sandboxed scoring processes per process that scores (the trainer; each async rollout worker). Each
     costs a second or more of CPU to import its scorer's libraries; more help when scoring is slow."""
+
+    @model_validator(mode="after")
+    def _dataset_files(self) -> TaskConfig:
+        from vcpo.tasks.records import DATASET_TASKS, check_dataset_kwargs
+
+        if self.name in DATASET_TASKS:
+            check_dataset_kwargs(self.name, self.kwargs)
+        return self
 
 
 class SFTConfig(_Strict):
@@ -155,6 +175,12 @@ class TrainerConfig(_Strict):
     ess_lr: ESSLRConfig = Field(default_factory=ESSLRConfig)
     eval_every: int = Field(10, ge=0)
     """Steps between held-out evaluations (0 = only at the start and the end)."""
+    eval_samples: int = Field(0, ge=0)
+    """Samples per held-out problem at each evaluation, logged as ``eval/mean@N`` and ``eval/pass@N`` beside the
+    greedy ``eval/accuracy``; 0 = greedy only."""
+    eval_temperature: float = Field(0.8, gt=0)
+    """The temperature of those samples (0.8 and top-p 0.7: the settings reasoning papers report at)."""
+    eval_top_p: float = Field(0.7, gt=0, le=1)
     checkpoint_every: int = Field(10, ge=0)
     max_skipped_steps: int = Field(3, ge=1)
     """The run stops (with a checkpoint) after this many consecutive steps skipped as non-finite
@@ -280,6 +306,13 @@ class Config(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _chat_needs_a_model(self) -> Config:
+        if self.task.prompt_format == "chat" and self.model.path is None:
+            raise ValueError("task.prompt_format=chat needs model.path: the embedded default model's tokenizer has "
+                             "no chat template")
+        return self
+
+    @model_validator(mode="after")
     def _replay_fits(self) -> Config:
         replay, k = self.async_.replay, self.async_.max_staleness
         if not replay.enabled:
@@ -354,8 +387,8 @@ def _first_error(exc: ValidationError) -> str:
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         return f"unknown config key {where!r}"
-    if not err["loc"]:  # a cross-field check: its message already names the key
-        return msg
+    if not err["loc"] or (err["type"] == "value_error" and isinstance(err.get("input"), dict)):
+        return msg  # a cross-field check of the config or of a section: its message already names the key
     return f"config key {where!r}: {msg} (got {err.get('input')!r})"
 
 

@@ -21,6 +21,7 @@ class Problem:
     prompt: str
     answer: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    messages: tuple[dict[str, str], ...] | None = None  # chat format: rendered by the tokenizer's chat template
 
 
 @dataclass(frozen=True)

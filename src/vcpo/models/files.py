@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from vcpo.errors import UserError
@@ -33,3 +34,22 @@ def check_model_dir(path: str | Path, tokenizer: bool = True) -> Path:
 def one_line(error: BaseException) -> str:
     """A library's error message, every line of it, on one line."""
     return " ".join(str(error).split()) or type(error).__name__
+
+
+def declares_chat_template(path: str | Path) -> bool | None:
+    """Whether the tokenizer saved in a model directory has a chat template, read from its files without loading
+    anything (``chat_template.jinja``, or a ``chat_template`` entry in ``tokenizer_config.json``); None when the
+    directory has no ``tokenizer_config.json`` to tell (then loading the tokenizer decides)."""
+    p = Path(path)
+    if (p / "chat_template.jinja").is_file():
+        return True
+    try:
+        return bool(json.loads((p / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def no_chat_template(where: str | Path) -> str:
+    """The message for chat prompts with the tokenizer of ``where``, which has no chat template."""
+    return (f"task.prompt_format=chat but the tokenizer of {where} has no chat template (set task.prompt_format=raw, "
+            "or add a chat_template to its tokenizer_config.json)")

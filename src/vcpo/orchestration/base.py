@@ -57,8 +57,10 @@ class ProblemStream:
         if index not in self._cache:
             if len(self._cache) > 64:
                 self._cache.clear()
-            self._cache[index] = self.task.problems(
-                "train", self.prompts_per_step, seed=self.seed * 1_000_003 + index
+            stream_batch = getattr(self.task, "stream_batch", None)  # a finite dataset walks its records in epochs
+            self._cache[index] = (
+                stream_batch(index, self.prompts_per_step, self.seed) if stream_batch is not None
+                else self.task.problems("train", self.prompts_per_step, seed=self.seed * 1_000_003 + index)
             )
         return self._cache[index]
 

@@ -12,7 +12,7 @@ import queue
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -48,6 +48,8 @@ class WorkerSpec:
     handoff_timeout_s: float = 300.0
     server: dict[str, Any] | None = None
     """rollout.server when rollout.engine is server: the worker is an HTTP client and loads only the tokenizer."""
+    task_options: dict[str, Any] = field(default_factory=dict)
+    """The rest of the run's TaskConfig (prompt format, system prompt, instruction, reward)."""
 
 
 class _Sender:
@@ -109,7 +111,7 @@ def build_worker(spec: WorkerSpec, version_of: Callable[[], int] | None = None):
 
     hf_logging.disable_progress_bar()
     task = make_task(TaskConfig(name=spec.task_name, kwargs=spec.task_kwargs, reward_timeout_s=spec.reward_timeout_s,
-                                reward_workers=spec.reward_workers))
+                                reward_workers=spec.reward_workers, **spec.task_options))
     prepare_scoring(task)  # the sandboxed scorer starts while the model loads
     if spec.server is None:
         model, tokenizer = load_policy(spec.model_path, spec.dtype, spec.device)

@@ -8,6 +8,7 @@ from vcpo.envs.multiturn import is_multiturn
 from vcpo.rollout.engine import WeightPoll
 from vcpo.rollout.episodes import run_episodes
 from vcpo.tasks.base import score_completions
+from vcpo.tasks.prompts import encode_prompts
 from vcpo.types import Problem, SamplingParams, Trajectory
 
 
@@ -28,7 +29,7 @@ def collect_groups(
     Returns one list of trajectories per problem (a GRPO group), in the order of ``problems``; each carries its
     reward's status (``ok``, ``error``, ``crash``, ``timeout``), so the step that trains on it can count them.
     """
-    prompt_ids = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
+    prompt_ids = encode_prompts(tokenizer, problems)  # once: these ids are sampled from and trained on
     flat_prompts = [ids for ids in prompt_ids for _ in range(group_size)]
     if is_multiturn(task):
         return _collect_episodes(engine, tokenizer, task, problems, group_ids, group_size, sampling, generator,

@@ -1,18 +1,22 @@
-"""Tasks from reasoning-gym: procedural problem streams scored by each dataset's own ``score_answer``, run in the
-sandboxed scoring pool (several scorers ``eval`` the completion or parse it with sympy)."""
+"""Tasks from reasoning-gym: procedural problem streams (any dataset by name, e.g. ``gsm_symbolic``) scored by each
+dataset's own ``score_answer`` or by math-verify, run in the sandboxed scoring pool (several scorers ``eval`` the
+completion or parse it with sympy)."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import hashlib
+import re
 from typing import Any
 
 import reasoning_gym
 from reasoning_gym.factory import DATASETS
 
+from vcpo.rewards.answers import normalize_number
 from vcpo.rewards.pool import RewardOutcome, ScoreRequest, shared_pool
 from vcpo.tasks.base import SPLITS, TaskError
+from vcpo.tasks.prompts import PromptFormat
 from vcpo.types import Problem
 
 # Datasets whose question is a verbose wrapper around ``metadata["expression"]``: the prompt keeps only
@@ -20,6 +24,8 @@ from vcpo.types import Problem
 EXPRESSION_ONLY = frozenset({"chain_sum", "basic_arithmetic"})
 ANSWER_CUE = "Answer: "
 _MAX_DRAWS_PER_PROBLEM = 50  # how hard to look for problems of one split before declaring the split empty
+AUTO_REWARD_SAMPLE = 64  # answers drawn to decide task.reward=auto
+_NUMBER = re.compile(r"-?(\d+(\.\d*)?|\.\d+)(/\d+)?")
 
 
 def generator_seed(name: str, split: str, seed: int) -> int:
@@ -42,25 +48,39 @@ class ReasoningGymTask:
 
     Train and eval problems come from different generator seeds and, beyond that, from disjoint halves
     of the prompt space (by a hash of the prompt): small arithmetic spaces repeat prompts often, and a
-    repeated prompt would make held-out accuracy measure memory. The prompt is the question followed by
-    ``"Answer: "`` (for :data:`EXPRESSION_ONLY` datasets just ``"<expression> = "``); the completion is the
-    bare answer text. Rewards come from the dataset's scorer in the shared sandboxed pool of ``reward_workers``
-    processes, each completion within ``reward_timeout_s`` seconds.
+    repeated prompt would make held-out accuracy measure memory. The raw prompt is the question followed by
+    ``"Answer: "`` (for :data:`EXPRESSION_ONLY` datasets just ``"<expression> = "``; an instruction, when set, on
+    the line before the cue); in chat format the question and the instruction are the user message
+    (:class:`~vcpo.tasks.prompts.PromptFormat`). Rewards come from the dataset's scorer (``reward="native"``) or
+    math-verify against the dataset's answer (``"math"``; ``"auto"``: math when :meth:`numeric_answers`), in the
+    shared sandboxed pool of ``reward_workers`` processes, each completion within ``reward_timeout_s`` seconds.
     """
 
-    def __init__(self, name: str, reward_timeout_s: float = 5.0, reward_workers: int = 1, **kwargs: Any) -> None:
+    def __init__(self, name: str, reward_timeout_s: float = 5.0, reward_workers: int = 1,
+                 prompt_format: PromptFormat | None = None, reward: str = "native", **kwargs: Any) -> None:
         self.name = name
         self.kwargs = dict(kwargs)
         self.reward_timeout_s = reward_timeout_s
         self.reward_workers = reward_workers
+        self.format = prompt_format or PromptFormat()
         _create(name, size=1, seed=0, kwargs=self.kwargs)  # bad settings fail here, in one line
+        if reward not in ("native", "math", "auto"):
+            raise TaskError(f"task.reward: {reward!r} is not one of native, math, auto")
+        self.scorer = "math" if reward == "math" or (reward == "auto" and self.numeric_answers()) else "reasoning_gym"
+
+    def numeric_answers(self) -> bool:
+        """Whether every one of :data:`AUTO_REWARD_SAMPLE` answers of the dataset is a number (``-3``, ``2.5``,
+        ``1,000``, ``3/4``): then math-verify can judge a reasoning completion's final answer against it."""
+        dataset = _create(self.name, size=AUTO_REWARD_SAMPLE, seed=0, kwargs=self.kwargs)
+        return all(_NUMBER.fullmatch(normalize_number(str(dataset[i]["answer"]))) for i in range(AUTO_REWARD_SAMPLE))
 
     def prompt(self, entry: dict[str, Any]) -> str:
-        """The text the model sees for one reasoning-gym item."""
+        """The raw-format text the model sees for one reasoning-gym item."""
         expression = entry["metadata"].get("expression")
-        if self.name in EXPRESSION_ONLY and isinstance(expression, str):
+        instruction = self.format.effective_instruction
+        if self.name in EXPRESSION_ONLY and isinstance(expression, str) and not instruction:
             return f"{expression} = "
-        return f"{entry['question'].strip()}\n{ANSWER_CUE}"
+        return "\n".join([entry["question"].strip(), *([instruction] if instruction else []), ANSWER_CUE])
 
     def problems(self, split: str, n: int, seed: int) -> list[Problem]:
         """``n`` problems of ``split`` ("train" or "eval"), the same ones for the same ``seed``."""
@@ -82,24 +102,30 @@ class ReasoningGymTask:
                 prompt = self.prompt(entry)
                 if prompt_split(prompt) == split and len(out) < n:
                     uid = f"{self.name}/{split}/{seed}/{len(out)}"
-                    out.append(Problem(uid=uid, prompt=prompt, answer=str(entry["answer"]), metadata={"entry": entry}))
+                    out.append(self.format.problem(uid, entry["question"].strip(), prompt, str(entry["answer"]),
+                                                   {"entry": entry}))
             drawn += chunk
         return out
 
     def score(self, problems: list[Problem], completions: list[str]) -> list[RewardOutcome]:
-        """The dataset's ``score_answer`` of each whitespace-stripped completion, clamped to [0, 1], in one batch.
+        """The dataset's ``score_answer`` of each whitespace-stripped completion, clamped to [0, 1] (or math-verify
+        of its final answer against the dataset's answer, when scored by math), in one batch.
 
         Scored in the sandboxed pool: a scorer that raises on malformed text (some do) scores 0 as ``error``,
         one that hangs past ``reward_timeout_s`` or crashes scores 0 as ``timeout`` / ``crash``.
         """
-        requests = [ScoreRequest("reasoning_gym", (p.metadata["entry"],), c, setup=(self.name, self.kwargs))
-                    for p, c in zip(problems, completions, strict=True)]
+        requests = [self._request(p, c) for p, c in zip(problems, completions, strict=True)]
         return shared_pool(self.reward_workers).score(requests, self.reward_timeout_s)
+
+    def _request(self, problem: Problem, completion: str) -> ScoreRequest:
+        if self.scorer == "math":
+            return ScoreRequest("math", (problem.answer,), completion)
+        return ScoreRequest("reasoning_gym", (problem.metadata["entry"],), completion, setup=(self.name, self.kwargs))
 
     def warm_up(self) -> None:
         """Start the scoring workers and build this dataset's scorer in them, in the background (it imports
         reasoning-gym there: seconds of CPU better spent while the trainer loads its model)."""
-        setup = ScoreRequest("reasoning_gym", (), "", setup=(self.name, self.kwargs))
+        setup = ScoreRequest(self.scorer, (), "", setup=(self.name, self.kwargs) if self.scorer != "math" else ())
         shared_pool(self.reward_workers).warm_up([setup])
 
     def reward(self, problem: Problem, completion: str) -> float:

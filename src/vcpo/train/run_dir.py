@@ -13,7 +13,7 @@ from pathlib import Path
 from vcpo.config import Config, ConfigError, save_config
 from vcpo.errors import DiskError
 from vcpo.metrics import METRICS_FILE
-from vcpo.models.files import check_model_dir
+from vcpo.models.files import ModelLoadError, check_model_dir, declares_chat_template, no_chat_template
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 LATEST_FILE = "latest"
@@ -77,6 +77,8 @@ def check_start(config: Config, resume: bool) -> None:
                           f"--resume {run_dir}, or choose another run_dir")
     if config.model.path is not None:
         check_model_dir(config.model.path)
+        if config.task.prompt_format == "chat" and declares_chat_template(config.model.path) is False:
+            raise ModelLoadError(no_chat_template(config.model.path))
     check_writable(run_dir, "run_dir")
     if config.model.path is None:
         check_writable(Path(config.sft.cache_dir), "sft.cache_dir")

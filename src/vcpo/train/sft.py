@@ -1,5 +1,4 @@
-"""Supervised warm start of the embedded default model (``vcpo sft``), cached by its settings, and greedy
-held-out accuracy.
+"""Supervised warm start of the embedded default model (``vcpo sft``), cached by its settings.
 
 RL from a random model would see no reward at all; a short teacher-forced fine-tune on solved training
 problems brings the default policy to partial accuracy, leaving room for RL to improve it.
@@ -23,11 +22,11 @@ from vcpo.config import Config
 from vcpo.envs.multiturn import is_multiturn
 from vcpo.models import default as default_model
 from vcpo.models.loading import load_policy
-from vcpo.rollout.engine import HFRolloutEngine
-from vcpo.rollout.episodes import run_episodes
 from vcpo.runtime import resolve_device
-from vcpo.tasks import Task, make_task, score_completions
-from vcpo.types import Problem, SamplingParams
+from vcpo.tasks import Task, make_task
+from vcpo.tasks.prompts import encode_prompts
+from vcpo.train.evaluate import evaluate_accuracy
+from vcpo.types import Problem
 
 FORMAT_VERSION = 1  # bump when the model, tokenizer, prompt format or training recipe changes
 IGNORE_INDEX = -100  # label of prompt and padding positions: no loss there
@@ -58,6 +57,8 @@ def cache_key(config: Config) -> str:
             default_model.INTERMEDIATE_SIZE,
         ],
     }
+    if config.task.instruction:  # it changes the raw prompts trained on; unset keeps every older key unchanged
+        determinants["instruction"] = config.task.instruction
     blob = json.dumps(determinants, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -167,19 +168,19 @@ def train_sft(
     return losses
 
 
-def _segments(problem: Problem, demonstration: Any) -> list[tuple[str, bool]]:
-    """The text segments of one example, each marked True when the model writes it (then EOS follows)."""
-    return [(problem.prompt, False), *(demonstration(problem) if demonstration else [(problem.answer, True)])]
+def _model_segments(problem: Problem, demonstration: Any) -> list[tuple[str, bool]]:
+    """The text segments after the prompt of one example, each marked True when the model writes it (then EOS)."""
+    return demonstration(problem) if demonstration else [(problem.answer, True)]
 
 
 def _teacher_forcing_batch(tokenizer: Any, problems: list[Problem], demonstration: Any = None
                            ) -> tuple[torch.Tensor, ...]:
-    """Right-padded example ids (prompt, then the answer + EOS or a demonstration's segments), their attention
-    mask, and labels masked to the model's own segments and their EOS."""
+    """Right-padded example ids (the prompt as training tokenizes it, then the answer + EOS or a demonstration's
+    segments), their attention mask, and labels masked to the model's own segments and their EOS."""
     rows, label_rows = [], []
-    for problem in problems:
-        row, labels = [], []
-        for text, by_model in _segments(problem, demonstration):
+    for problem, prompt_ids in zip(problems, encode_prompts(tokenizer, problems), strict=True):
+        row, labels = list(prompt_ids), [IGNORE_INDEX] * len(prompt_ids)
+        for text, by_model in _model_segments(problem, demonstration):
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if by_model:
                 ids = [*ids, tokenizer.eos_token_id]
@@ -196,54 +197,3 @@ def _teacher_forcing_batch(tokenizer: Any, problems: list[Problem], demonstratio
         attention_mask_BS[b, : len(row)] = 1
         labels_BS[b, : len(row)] = torch.tensor(labels)
     return input_ids_BS, attention_mask_BS, labels_BS
-
-
-@torch.no_grad()
-def greedy_completions(
-    model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, lm_head_fp32: bool = False
-) -> list[str]:
-    """Greedy completions of ``prompts``, each cut at its first EOS, decoded by the rollout engine
-    (one decode path for training and evaluation)."""
-    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                             lm_head_fp32=lm_head_fp32)
-    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    generations = engine.generate(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens), greedy=True)
-    return [tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in generations]
-
-
-@torch.no_grad()
-def greedy_episodes(model: Any, tokenizer: Any, task: Any, problems: list[Problem], max_new_tokens: int,
-                    lm_head_fp32: bool = False) -> list[Any]:
-    """Greedy multi-turn episodes of ``problems`` (a ``MultiTurnEnv`` task), through the rollout engine."""
-    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                             lm_head_fp32=lm_head_fp32)
-    prompt_ids = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
-    return run_episodes(engine, tokenizer, task, problems, prompt_ids, SamplingParams(max_new_tokens=max_new_tokens),
-                        greedy=True)
-
-
-def evaluate_accuracy(
-    model: Any, tokenizer: Any, task: Task, problems: list[Problem], max_new_tokens: int, batch_size: int = 64,
-    lm_head_fp32: bool = False,
-) -> float:
-    """Greedy accuracy: the fraction of ``problems`` whose greedy completion gets reward exactly 1.0
-    (``lm_head_fp32``: the logits in float32, as in training with that option).
-
-    Partial credit (some reasoning-gym scorers give it) does not count as correct here.
-    A multi-turn task is evaluated on greedy episodes (``max_new_tokens`` per turn), scored by its environment.
-    """
-    if not problems:
-        return 0.0
-    was_training = model.training
-    model.eval()
-    correct = 0
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i : i + batch_size]
-        if is_multiturn(task):
-            correct += sum(e.reward == 1.0 for e in greedy_episodes(model, tokenizer, task, chunk, max_new_tokens,
-                                                                   lm_head_fp32))
-            continue
-        completions = greedy_completions(model, tokenizer, [p.prompt for p in chunk], max_new_tokens, lm_head_fp32)
-        correct += sum(o.reward == 1.0 for o in score_completions(task, chunk, completions))
-    model.train(was_training)
-    return correct / len(problems)

@@ -30,11 +30,14 @@ from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu, resolve_device
 from vcpo.tasks import make_task, prepare_scoring
+from vcpo.tasks.prompts import check_prompt_format
 from vcpo.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, set_aside
+from vcpo.train.evaluate import EvalSettings
+from vcpo.train.evaluate import evaluate as evaluate_policy
 from vcpo.train.health import RunHealth
 from vcpo.train.learner import Learner
 from vcpo.train.run_dir import SUMMARY_FILE, RunDirectory, resume_candidates
-from vcpo.train.sft import evaluate_accuracy, warm_start
+from vcpo.train.sft import warm_start
 from vcpo.train.signals import ForcedExit, StopRequested, StopSignals
 from vcpo.types import Batch, Problem, SamplingParams, Trajectory
 
@@ -117,6 +120,7 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
             reward_workers=config.task.reward_workers, parent_pid=os.getpid(),
             handoff_timeout_s=config.async_.handoff_timeout_s,
             server=None if servers is None else rc.server.model_dump(),
+            task_options=config.task.model_dump(exclude={"name", "kwargs", "reward_timeout_s", "reward_workers"}),
         )
         if backend is not None:  # Ray: rollout actors (vcpo.orchestration.ray)
             return backend.source(learner.model, spec, start_version=learner.version)
@@ -213,6 +217,7 @@ def _train(config: Config, resume: bool, signals: StopSignals | None, backend) -
                 learner = Learner(model, config) if backend is None else backend.learner(model, str(model_path))
                 state, ckpt = restore(run.path, learner) if resume else ({}, None)
                 eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
+                check_prompt_format(tokenizer, eval_problems, str(model_path))
         except StopRequested:
             raise RunInterrupted(f"interrupted by {signal_name(signals.signum)} before the run started; nothing "
                                  f"was written", signals.signum) from None
@@ -247,10 +252,17 @@ class _Job:
         self.last_accuracy: float | None = state.get("last_accuracy", self.initial_accuracy)
         self.source: RolloutSource | None = None
         self.started = time.perf_counter()
+        tc = config.trainer
+        self.eval_settings = EvalSettings(config.rollout.max_new_tokens, tc.eval_samples, tc.eval_temperature,
+                                          tc.eval_top_p, seed=config.seed, lm_head_fp32=config.model.lm_head_fp32)
+        self.eval_metrics: dict[str, float] = {}
 
     def evaluate(self) -> float:
-        return evaluate_accuracy(self.learner.model, self.tokenizer, self.task, self.eval_problems,
-                                 self.config.rollout.max_new_tokens, lm_head_fp32=self.config.model.lm_head_fp32)
+        """Greedy accuracy; the whole evaluation (with ``eval/mean@N``, ``eval/pass@N`` when trainer.eval_samples
+        is N > 0) is kept in ``eval_metrics`` for the step's metrics line."""
+        self.eval_metrics = evaluate_policy(self.learner.model, self.tokenizer, self.task, self.eval_problems,
+                                            self.eval_settings)
+        return self.eval_metrics["eval/accuracy"]
 
     def run(self, model_path: Path) -> dict[str, Any]:
         try:
@@ -315,7 +327,8 @@ class _Job:
             last = step == tc.max_steps or (tc.max_time_s is not None and elapsed_s >= tc.max_time_s)
             if last or (tc.eval_every and step % tc.eval_every == 0):
                 t_eval = time.perf_counter()
-                self.last_accuracy = metrics["eval/accuracy"] = self.evaluate()
+                self.last_accuracy = self.evaluate()
+                metrics |= self.eval_metrics
                 metrics["time/eval_s"] = time.perf_counter() - t_eval
             if step == 1:
                 metrics["eval/accuracy_initial"] = self.initial_accuracy

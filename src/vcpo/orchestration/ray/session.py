@@ -4,6 +4,7 @@ that end after a timeout in one clear line instead of hanging."""
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Any
 
 from vcpo.config import Config, ConfigError
@@ -41,6 +42,9 @@ class RaySession:
             self.owned = False
             return self
         self.owned = True
+        # ray.init installs its own SIGTERM handler in the driver; vcpo's (checkpoint the last finished step, exit
+        # 143) must stay in charge, so the handlers in place before are put back once Ray is up, and after shutdown.
+        self.handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             if rc.address is None:
                 self.ray.init(num_cpus=self.num_cpus(), _node_ip_address="127.0.0.1", **quiet)
@@ -48,11 +52,19 @@ class RaySession:
                 self.ray.init(address=rc.address, **quiet)
         except ConnectionError as exc:
             raise ConfigError(f"ray.address={rc.address!r}: cannot join the Ray cluster ({exc})") from None
+        finally:
+            self._restore_handlers()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.owned:
             self.ray.shutdown()
+            self._restore_handlers()
+
+    def _restore_handlers(self) -> None:
+        for sig, handler in self.handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def get(refs, timeout_s: float, what: str):
