@@ -263,6 +263,7 @@ def rerun(
     from vcpo.study.rerun import RerunError, rerun_cell
 
     try:
+        _quiet_libraries()
         result = rerun_cell(cell_dir, out, steps=steps, model=model)
     except (UserError, RerunError) as exc:
         _fail(exc)
