@@ -13,12 +13,12 @@ each metric and the largest per-step max.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
 from vcpo.config import load_config
+from vcpo.metrics import METRICS_FILE, read_metrics
 from vcpo.train.trainer import train
 
 VARIANTS = {
@@ -45,7 +45,7 @@ def main() -> None:
                 *variant, *args.overrides,
             ])
             train(config)
-            lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            lines = read_metrics(run_dir / METRICS_FILE)
             worst = max(m["mismatch/logprob_abs_max"] for m in lines)
             mean = statistics.mean(m["mismatch/logprob_abs_mean"] for m in lines)
             ess = [m["ess/ratio"] for m in lines]

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from vcpo.metrics import METRICS_FILE, read_metrics
+
 CELLS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (rollout actors, learner ranks)
 
 
@@ -38,7 +40,7 @@ def cell(workers: int, learners: int, steps: int, root: Path) -> dict[str, float
         f"trainer.num_learners={learners}",
     ])
     train(config)
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][2:]
+    lines = read_metrics(run / METRICS_FILE)[2:]
     step_s = [m["time/step_s"] for m in lines]
     return {
         "rollout_actors": workers, "learners": learners, "steps_timed": len(lines),

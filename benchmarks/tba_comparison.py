@@ -24,6 +24,8 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+from vcpo.metrics import METRICS_FILE, read_metrics
+
 GRPO = ["objective.name=grpo", "advantage.estimator=grpo", "trainer.ess_lr.enabled=false"]
 ARMS: dict[str, list[str]] = {
     "tba": ["-c", "configs/tba.yaml"],
@@ -42,7 +44,7 @@ def run_arm(arm: str, seed: int, budget_s: float, workers: int, run_dir: Path) -
 
 
 def summarize(run_dir: Path) -> dict[str, float]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(run_dir / METRICS_FILE)
     evals = [m["eval/accuracy"] for m in lines if "eval/accuracy" in m]
     trained = [m["response/length_mean"] * m["batch/size"] for m in lines]
     replay = "replay/fresh_tokens" in lines[0]

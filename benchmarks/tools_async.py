@@ -15,13 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vcpo.metrics import METRICS_FILE, read_metrics
+
 
 def run(mode: str, k: int, out: Path, steps: int, extra: list[str]) -> list[dict]:
     run_dir = out / f"{mode}_k{k}"
     subprocess.run([sys.executable, "-m", "vcpo.cli", "train", "-c", "configs/tools.yaml", f"run_dir={run_dir}",
                     f"async.mode={mode}", f"async.max_staleness={k}", f"trainer.max_steps={steps}",
                     "logging.progress=false", *extra], check=True)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir / METRICS_FILE)
 
 
 def summarize(lines: list[dict], target: float) -> dict:

@@ -4,7 +4,6 @@ finding processes a sandbox left behind."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vcpo.metrics import METRICS_FILE, read_metrics
 from vcpo.objectives import ObjectiveInputs
 from vcpo.testing.faults import command_env
 
@@ -35,7 +35,9 @@ def vcpo(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """A run's metric lines ([] before its first one)."""
+    path = run_dir / METRICS_FILE
+    return read_metrics(path) if path.is_file() else []
 
 
 @pytest.fixture(scope="session")

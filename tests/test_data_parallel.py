@@ -4,7 +4,6 @@ to 1e-6 relative in float32, for vcpo with OPOB, grpo, vespo and a batch-coupled
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,8 @@ from test_micro_batches import MODEL, make_batch
 from vcpo.config import load_config
 from vcpo.train.data_parallel import DataParallelLearner, init_process_group, rank_rows
 from vcpo.train.learner import Learner
+
+from conftest import free_port
 
 CASES = {
     "vcpo_opob_fast": ["objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=fast"],
@@ -46,12 +47,6 @@ def _rank(rank: int, world_size: int, port: int, results: str) -> None:
             torch.save(out, results)
     finally:
         torch.distributed.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

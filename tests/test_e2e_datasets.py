@@ -14,7 +14,7 @@ from vcpo.models.loading import load_policy
 from vcpo.tasks import DatasetTask, PromptFormat
 from vcpo.train.sft import train_sft
 
-from conftest import CHAT_TEMPLATE, ROOT, vcpo
+from conftest import CHAT_TEMPLATE, ROOT, metrics, vcpo
 
 
 def sums(path: Path, n: int, offset: int = 0) -> Path:
@@ -54,7 +54,7 @@ def test_training_steps_on_a_jsonl_file_with_chat_prompts_and_math_rewards(files
     vcpo("train", *common(files), f"run_dir={run}", "async.mode=async", "async.max_staleness=1", "trainer.max_steps=3",
          "rollout.prompts_per_step=4", "rollout.group_size=8", "trainer.eval_every=0", "trainer.eval_samples=2",
          "logging.progress=false")
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics(run)
     assert [m["step"] for m in lines] == [1, 2, 3]
     assert sum(m["reward/mean"] for m in lines) > 0  # math-verify found a right final answer somewhere
     assert all(m["reward/errors"] == 0 and m["reward/timeouts"] == 0 for m in lines)

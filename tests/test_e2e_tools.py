@@ -3,11 +3,9 @@ mode on a barely warm-started model (the metrics' keys and ranges, not learning:
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from conftest import vcpo
+from conftest import metrics, vcpo
 
 TOOL_KEYS = {"tools/calls_per_episode", "tools/turns_mean", "tools/errors", "tools/void_frac", "tools/masked_frac"}
 
@@ -24,7 +22,7 @@ def tiny(tmp_path_factory) -> list[str]:
 def test_tool_task_trains_a_few_steps_and_logs_tool_metrics(tmp_path, tiny, mode):
     run = tmp_path / mode
     vcpo("train", *tiny, f"run_dir={run}", f"async.mode={mode}")
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics(run)
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
         assert TOOL_KEYS <= m.keys()

@@ -3,7 +3,6 @@ batch: nothing escapes, the step metrics count the forced zeros, and the run goe
 
 from __future__ import annotations
 
-import json
 import uuid
 from pathlib import Path
 
@@ -13,6 +12,8 @@ import vcpo.rollout.collect as collect
 from vcpo.config import Config, LoggingConfig, RolloutConfig, SFTConfig, TaskConfig, TrainerConfig
 from vcpo.models import default as default_model
 from vcpo.train.trainer import train
+
+from conftest import metrics
 
 HANG = "any(iter(int, 1))"
 
@@ -49,7 +50,7 @@ def test_training_continues_through_hostile_rewards(tmp_path, monkeypatch):
         torch.set_flush_denormal(False)
         torch.set_num_threads(threads)
     assert summary["steps"] == 2
-    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics(tmp_path / "run")
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
         # The loop, in every batch; on a loaded machine the fork bomb may pass the 1 s deadline too.

@@ -5,7 +5,6 @@ takes to a CPU, activation checkpointing and the training-inference mismatch met
 from __future__ import annotations
 
 import copy
-import json
 import math
 
 import pytest
@@ -22,6 +21,8 @@ from vcpo.train.checkpoint import load_checkpoint, save_checkpoint
 from vcpo.train.learner import Learner
 from vcpo.train.precision import LearnerOptimizer
 from vcpo.types import SamplingParams
+
+from conftest import metrics
 
 BF16 = torch.bfloat16
 
@@ -160,7 +161,7 @@ def test_gpu_config_runs_on_the_cpu_with_a_local_model(tmp_path):
          f"run_dir={run}", "async.mode=sync", "trainer.max_steps=2", "rollout.prompts_per_step=2",
          "rollout.group_size=4", "task.eval_size=8", "trainer.micro_batch_tokens=64", "logging.progress=false",
          "runtime.torch_threads=1")
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics(run)
     assert [m["step"] for m in lines] == [1, 2] and "mismatch/logprob_abs_max" in lines[0]
 
 

@@ -5,13 +5,11 @@ async runs from the command line, a server killed mid-run (the other carries on)
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,7 +20,7 @@ from vcpo.rollout.server import ServerRolloutEngine, ServerWeightPublisher
 from vcpo.rollout.server_pool import ServerError, ServerPool
 from vcpo.types import SamplingParams
 
-from conftest import ROOT, save_tiny_policy, serving
+from conftest import ROOT, metrics, save_tiny_policy, serving
 
 PROMPTS = [[5, 6, 7], [8, 9], [40, 41, 42, 43], [60]] * 2
 REQUIRED_KEYS = {"step", "reward/mean", "ess/ratio", "grad_norm", "lr", "staleness/max", "staleness/mean",
@@ -115,11 +113,6 @@ def tiny_run(policy, servers, run_dir, mode: str, steps: int) -> list[str]:
             "rollout.server.retry_backoff_s=0.05", f"async.mode={mode}", f"trainer.max_steps={steps}",
             "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12", "task.eval_size=8",
             "trainer.eval_every=0", "trainer.checkpoint_every=0", "logging.progress=false", "trainer.lr=1e-3"]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 @pytest.mark.parametrize(("mode", "lags"), [("sync", [0, 0, 0]), ("lagged", [0, 1, 1])])
