@@ -64,9 +64,10 @@ def sample_next(
         logits_BV = logits_BV / sampling.temperature
     logq_BV = torch.log_softmax(logits_BV, dim=-1)
     # A NaN or +inf logit, or no finite one, makes the whole row of log q NaN, and a sound row has no NaN at
-    # all: one column tells. Broken rows sample a stand-in (discarded) without a host sync to ask first.
+    # all: one column tells. Broken rows sample a stand-in (discarded) without a host sync to ask first; in place,
+    # since log_softmax's output is this call's own tensor (no second [B, V] allocation per decode step).
     broken_B = torch.isnan(logq_BV[:, 0])
-    logq_BV = torch.where(broken_B[:, None], 0.0, logq_BV)
+    logq_BV.masked_fill_(broken_B[:, None], 0.0)
     if greedy:
         tokens_B = logq_BV.argmax(dim=-1)
         logprobs_B = logq_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
