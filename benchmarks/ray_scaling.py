@@ -3,10 +3,14 @@ per step, and the object store's put/get throughput (what the CPU fallback of we
 
 Run by hand (results in benchmarks/RESULTS.md):
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/ray_scaling.py --steps 12 [--out benchmarks/ray_scaling]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/ray_scaling.py --servers 2 --rounds 2 --steps 12
 
 Each cell is one `vcpo train` (in this process) on one shared local Ray instance; the first 2 steps (actor start,
 the first rollouts) are left out of the rates. The model is the embedded default without a warm start
-(sft.steps=0): rollout and learner costs do not depend on what the model has learned.
+(sft.steps=0): rollout and learner costs do not depend on what the model has learned. With ``--servers N`` the
+cells are instead 2 rollout workers on N `vcpo serve` processes, the local backend against Ray, alternated for
+``--rounds`` rounds: steps/s and ``time/weight_publish_s`` (write the safetensors directory, then pause, update and
+resume every server).
 """
 
 from __future__ import annotations
@@ -27,20 +31,23 @@ from vcpo.metrics import METRICS_FILE, read_metrics
 CELLS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (rollout actors, learner ranks)
 
 
-def cell(workers: int, learners: int, steps: int, root: Path) -> dict[str, float]:
+def timed_lines(run: Path, overrides: list[str], steps: int, root: Path) -> list[dict]:
+    """One async run of ``steps`` steps; its metric lines past the first two."""
     from vcpo.config import load_config
     from vcpo.train.trainer import train
 
-    run = root / f"w{workers}_l{learners}"
-    config = load_config("configs/quickstart.yaml", [
+    train(load_config("configs/quickstart.yaml", [
         f"run_dir={run}", f"sft.cache_dir={root / 'cache'}", "sft.steps=0", f"trainer.max_steps={steps}",
         "trainer.eval_every=0", "trainer.checkpoint_every=0", "task.eval_size=8", "logging.progress=false",
         "rollout.prompts_per_step=8", "rollout.group_size=4", "async.mode=async", "async.max_staleness=2",
-        "async.inflight_updates=true", "async.backend=ray", f"async.num_workers={workers}",
-        f"trainer.num_learners={learners}",
-    ])
-    train(config)
-    lines = read_metrics(run / METRICS_FILE)[2:]
+        "async.inflight_updates=true", *overrides,
+    ]))
+    return read_metrics(run / METRICS_FILE)[2:]
+
+
+def cell(workers: int, learners: int, steps: int, root: Path) -> dict[str, float]:
+    lines = timed_lines(root / f"w{workers}_l{learners}", ["async.backend=ray", f"async.num_workers={workers}",
+                                                           f"trainer.num_learners={learners}"], steps, root)
     step_s = [m["time/step_s"] for m in lines]
     return {
         "rollout_actors": workers, "learners": learners, "steps_timed": len(lines),
@@ -52,6 +59,41 @@ def cell(workers: int, learners: int, steps: int, root: Path) -> dict[str, float
         "actor_weight_load_s": sum(m["ray/weight_load_s"] for m in lines) / max(sum(m["ray/weight_loads"]
                                                                                     for m in lines), 1),
     }
+
+
+def server_cell(backend: str, urls: list[str], model: Path, steps: int, root: Path, round_: int) -> dict[str, float]:
+    """2 rollout workers (local processes or Ray actors) generating on ``urls``; the learner in the driver."""
+    lines = timed_lines(root / f"{backend}_server_{round_}", [
+        f"async.backend={backend}", "async.num_workers=2", f"model.path={model}", "rollout.engine=server",
+        f"rollout.server.urls=[{','.join(urls)}]"], steps, root)
+    step_s = [m["time/step_s"] for m in lines]
+    return {"backend": backend, "servers": len(urls), "round": round_, "steps_timed": len(lines),
+            "steps_per_s": len(step_s) / sum(step_s),
+            "rollout_wait_s": statistics.mean(m["time/rollout_wait_s"] for m in lines),
+            "weight_publish_s": statistics.mean(m["time/weight_publish_s"] for m in lines)}
+
+
+def server_cells(count: int, rounds: int, steps: int, root: Path) -> list[dict[str, float]]:
+    """Local and Ray backends alternated on the same ``count`` `vcpo serve` processes of the default model."""
+    from serve_throughput import start_servers
+
+    from vcpo.config import TaskConfig
+    from vcpo.models.default import build_default_model
+    from vcpo.tasks import make_task
+
+    model = build_default_model(make_task(TaskConfig()), 0, root / "model")
+    procs = start_servers(model, count)
+    cells = []
+    try:
+        for r in range(rounds):
+            for backend in ("local", "ray"):
+                cells.append(server_cell(backend, [u for u, _ in procs], model, steps, root, r))
+                print(json.dumps(cells[-1]), flush=True)
+    finally:
+        for _, proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return cells
 
 
 def object_store_throughput(megabytes: int, repeats: int = 3) -> dict[str, float]:
@@ -83,6 +125,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--store-mb", type=int, default=512)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--servers", type=int, default=0, help="N > 0: local vs Ray on N vcpo serve processes")
+    parser.add_argument("--rounds", type=int, default=2, help="with --servers: local/Ray alternations")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vcpo.config import load_config
@@ -92,18 +136,22 @@ def main() -> None:
     results = {"load_avg_start": os.getloadavg()[0], "cpus": os.cpu_count(), "cells": []}
     try:
         with RaySession(load_config(None, ["async.backend=ray", "ray.num_cpus=4"])):
-            for workers, learners in CELLS:
-                results["cells"].append(cell(workers, learners, args.steps, root))
-                print(json.dumps(results["cells"][-1]), flush=True)
-            results["object_store"] = object_store_throughput(args.store_mb)
-            print(json.dumps(results["object_store"]), flush=True)
+            if args.servers:
+                results["cells"] = server_cells(args.servers, args.rounds, args.steps, root)
+            else:
+                for workers, learners in CELLS:
+                    results["cells"].append(cell(workers, learners, args.steps, root))
+                    print(json.dumps(results["cells"][-1]), flush=True)
+                results["object_store"] = object_store_throughput(args.store_mb)
+                print(json.dumps(results["object_store"]), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["load_avg_end"] = os.getloadavg()[0]
     print(json.dumps(results, indent=2))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(results, indent=2))
+        name = f"results_servers{args.servers}.json" if args.servers else "results.json"
+        (args.out / name).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

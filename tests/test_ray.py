@@ -1,7 +1,8 @@
 """The Ray backend on a local Ray instance (one per module, 4 logical CPUs): the staleness bound across rollout
 actors finishing out of order, a killed rollout actor restarted with its groups re-issued, and through the command
-line 2 rollout actors and 2 learner ranks, a learner killed mid-run (one line, a checkpoint), and resumes from a Ray
-run's checkpoint locally and from a local one on Ray."""
+line 2 rollout actors and 2 learner ranks, a learner killed mid-run (one line, a checkpoint), resumes from a Ray
+run's checkpoint locally and from a local one on Ray, and 2 rollout actors generating on 2 `vcpo serve` processes
+(one killed mid-run)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from vcpo.models.loading import load_policy
 from vcpo.tasks import make_task
 from vcpo.types import SamplingParams
 
-from conftest import ROOT, processes_with, vcpo
+from conftest import ROOT, processes_with, save_tiny_policy, serving, vcpo
 
 ray = pytest.importorskip("ray")
 
@@ -143,3 +144,47 @@ def test_two_actors_two_learners_through_the_cli_a_learner_killed_and_resumes(cl
     lines = metrics(run)
     assert [m["step"] for m in lines] == list(range(1, saved + 2)) and "time/weight_sync_s" not in lines[-1]
     assert json.loads((run / "summary.json").read_text())["steps"] == saved + 1
+
+
+def test_two_actors_on_two_servers_through_the_cli_one_server_killed(cluster, tmp_path):
+    """``async.backend=ray`` with ``rollout.engine=server``: the driver publishes each version to both servers once,
+    the 2 rollout actors generate through both; the second server is killed after step 2 and the run carries on."""
+    policy = save_tiny_policy(tmp_path / "policy")
+    run, k, steps = tmp_path / "run", 1, 6
+    with serving(policy, count=2) as servers:
+        urls = ",".join(u for u, _ in servers)
+        log = tmp_path / "stderr.txt"
+        proc = _run_in_background([
+            "train", "-c", "configs/quickstart.yaml", f"run_dir={run}", f"model.path={policy}",
+            "rollout.engine=server", f"rollout.server.urls=[{urls}]", "rollout.server.retries=1",
+            "rollout.server.retry_backoff_s=0.05", "async.mode=async", "async.backend=ray", "async.num_workers=2",
+            f"async.max_staleness={k}", "async.inflight_updates=true", f"trainer.max_steps={steps}",
+            "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12", "task.eval_size=8",
+            "trainer.eval_every=0", "trainer.checkpoint_every=0", "logging.progress=false", "trainer.lr=1e-3",
+            "ray.timeout_s=120", f"ray.address={cluster}"], log)
+        try:
+            deadline = time.monotonic() + 300
+            while len(metrics(run)) < 2:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+                time.sleep(0.05)
+            killed_at = len(metrics(run))
+            servers[1][1].kill()
+            assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+        finally:
+            proc.kill()
+        assert killed_at < steps  # the kill landed mid-run
+        assert f"rollout server {servers[1][0]} is down" in log.read_text()  # the driver's publisher saw it
+        import httpx
+
+        assert httpx.get(servers[0][0] + "/health").json()["version"] == steps  # each version published
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    for m in lines:
+        assert REQUIRED_KEYS <= m.keys() and m["staleness/max"] <= k
+        assert {"time/weight_publish_s", "time/weight_sync_s", "ray/actor_restarts"} <= m.keys()
+        assert m["ray/weight_loads"] == 0  # the actors never fetch weights: the servers hold them
+    # Tokens sampled at the learner's version (by the servers' per-token tags: a token tagged with the wrong version
+    # would be off by the update's change), recomputed by the learner:
+    mismatches = [m["mismatch/logprob_abs_max"] for m in lines if "mismatch/logprob_abs_max" in m]
+    assert mismatches and max(mismatches) <= 1e-5
+    assert sorted(p.name for p in (run / "server_weights").iterdir()) == [f"v{steps - 1:08d}", f"v{steps:08d}"]

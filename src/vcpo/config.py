@@ -340,9 +340,6 @@ class Config(_Strict):
         learners = self.trainer.num_learners
         if self.async_.backend == "ray" and self.async_.mode != "async":
             raise ValueError(f"async.backend=ray needs async.mode=async (got {self.async_.mode!r})")
-        if self.async_.backend == "ray" and self.rollout.engine == "server":
-            raise ValueError("async.backend=ray with rollout.engine=server is not supported yet: Ray's rollout actors "
-                             "own in-process engines (docs/ray.md)")
         if learners > 1 and self.async_.backend != "ray":
             raise ValueError(f"trainer.num_learners={learners} needs async.backend=ray")
         groups = self.async_.replay.groups_per_step if self.async_.replay.enabled else None

@@ -71,6 +71,7 @@ class AsyncSource:
         self.num_workers = num_workers
         self.max_restarts = max_restarts
         self.publisher = publisher
+        self.publish_s = 0.0
         self._model = model
         # A host copy whatever the learner's device: workers copy from it onto theirs (none when servers generate).
         self.shared = {} if publisher is not None else {
@@ -219,7 +220,9 @@ class AsyncSource:
         """Copy the new weights into shared memory under every worker's lock (or publish them to the servers),
         then admit what the bound allows."""
         if self.publisher is not None:
+            t0 = time.perf_counter()
             self.publisher.publish(model.state_dict(), version)  # every server paused, updated, resumed
+            self.publish_s = time.perf_counter() - t0
             self.version.value = version
             self.controller.set_version(version)
             if self.workers and self._failure is None:
@@ -243,9 +246,12 @@ class AsyncSource:
 
     def metrics(self) -> dict[str, float]:
         s = self.controller.stats
-        return {"staleness/dropped_over_bound": float(s.dropped_over_bound + self._before.get("dropped_over_bound", 0)),
-                "staleness/dropped_alpha": float(s.dropped_alpha + self._before.get("dropped_alpha", 0)),
-                "async/worker_restarts": float(self.restarts + self._before.get("worker_restarts", 0))}
+        out = {"staleness/dropped_over_bound": float(s.dropped_over_bound + self._before.get("dropped_over_bound", 0)),
+               "staleness/dropped_alpha": float(s.dropped_alpha + self._before.get("dropped_alpha", 0)),
+               "async/worker_restarts": float(self.restarts + self._before.get("worker_restarts", 0))}
+        if self.publisher is not None:  # the last update of the servers (as the Ray backend reports it)
+            out["time/weight_publish_s"] = self.publish_s
+        return out
 
     def state(self) -> dict[str, Any]:
         m = self.metrics()

@@ -123,7 +123,8 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
             task_options=config.task.model_dump(exclude={"name", "kwargs", "reward_timeout_s", "reward_workers"}),
         )
         if backend is not None:  # Ray: rollout actors (vcpo.orchestration.ray)
-            return backend.source(learner.model, spec, start_version=learner.version)
+            return backend.source(learner.model, spec, start_version=learner.version,
+                                  publisher=None if servers is None else servers.publisher)
         ac = config.async_
         return AsyncSource(learner.model, spec, ac.num_workers, ac.generation_bound(), ac.drop_older_than,
                            start_version=learner.version, max_restarts=ac.max_worker_restarts,

@@ -10,6 +10,7 @@ import torch
 from vcpo.config import Config
 from vcpo.orchestration.ray.session import RaySession
 from vcpo.orchestration.worker import WorkerSpec
+from vcpo.rollout.weights import WeightPublisher
 
 
 class RayBackend:
@@ -43,12 +44,14 @@ class RayBackend:
         self.owned.append(group)
         return group
 
-    def source(self, model: torch.nn.Module, spec: WorkerSpec, start_version: int):
-        """The rollout source over ``async.num_workers`` rollout actors."""
+    def source(self, model: torch.nn.Module, spec: WorkerSpec, start_version: int,
+               publisher: WeightPublisher | None = None):
+        """The rollout source over ``async.num_workers`` rollout actors; with ``publisher`` (inference servers) the
+        driver publishes each version to the servers and the actors are their HTTP clients."""
         from vcpo.orchestration.ray.rollout import RaySource
 
         ac = self.config.async_
         source = RaySource(model, spec, ac.num_workers, ac.generation_bound(), ac.drop_older_than, start_version,
-                           self.board, self.config.ray)
+                           self.board, self.config.ray, publisher=publisher)
         self.owned.append(source)
         return source

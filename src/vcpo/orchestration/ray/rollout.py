@@ -1,6 +1,7 @@
 """Rollout actors and the driver's ``RaySource``: each actor owns an engine and generates the groups it is sent;
 the driver admits groups under the ``StalenessController`` rules, filters them at batch time, re-issues the groups
-of an actor that died, and offers every new weight version (one object in the object store) to all actors."""
+of an actor that died, and offers every new weight version to all actors: one object in the object store (the
+in-process engine), or, with inference servers, the version number once the driver has published it to them."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from vcpo.orchestration.ray.session import get
 from vcpo.orchestration.ray.weights import WeightBoard
 from vcpo.orchestration.staleness import StalenessController
 from vcpo.orchestration.worker import WorkerSpec, build_worker
+from vcpo.rollout.weights import WeightPublisher
 from vcpo.types import Trajectory
 
 REQUESTS_PER_ACTOR = 2  # one generating, one queued: an actor never idles while the driver trains
@@ -28,14 +30,18 @@ class RolloutActor:
     """A Ray actor (threaded: rollouts in one thread, weight offers and ``pid`` in another) owning one engine.
 
     New weights are offered as (version, [ObjectRef]); the actor fetches the newest one from the object store
-    before each request and, with in-flight updates, between decode steps. ``jitter_s`` pauses a random time up
-    to it before each decode step (tests use it to make actors finish out of order)."""
+    before each request and, with in-flight updates, between decode steps. With inference servers
+    (``spec.server``) the actor is a thin HTTP client over every server of ``rollout.server.urls``: the driver has
+    already brought the servers to the offered version, so the offer only tells the engine which version its calls
+    run under (``vcpo serve`` tags each token itself; vLLM and SGLang tokens get the version known when the call was
+    sent). ``jitter_s`` pauses a random time up to it before each decode step (tests use it to make actors finish
+    out of order)."""
 
     def __init__(self, spec: WorkerSpec, timeout_s: float, jitter_s: float = 0.0) -> None:
         self.spec, self.timeout_s, self.jitter = spec, timeout_s, jitter_s
-        self.engine, self.tokenizer, self.task, self.stream = build_worker(spec)
         self.offered: tuple[int, Any] | None = None
         self.lock = threading.Lock()
+        self.engine, self.tokenizer, self.task, self.stream = build_worker(spec, version_of=self.offered_version)
         self.rng = random.Random(os.getpid())
         self.load_s: list[float] = []
 
@@ -49,6 +55,10 @@ class RolloutActor:
             if self.offered is None or version > self.offered[0]:
                 self.offered = (version, ref[0])
 
+    def offered_version(self) -> int:
+        with self.lock:
+            return -1 if self.offered is None else self.offered[0]
+
     def pause(self) -> None:
         if self.jitter:
             time.sleep(self.rng.uniform(0, self.jitter))
@@ -58,7 +68,7 @@ class RolloutActor:
         self.pause()
         with self.lock:
             offered = self.offered
-        if offered is None or offered[0] == self.engine.version:
+        if self.spec.server is not None or offered is None or offered[0] == self.engine.version:
             return None
         t0 = time.perf_counter()
         state = get(offered[1], self.timeout_s, f"weights of version {offered[0]}")
@@ -84,12 +94,15 @@ class RolloutActor:
 
 
 class RaySource:
-    """``RolloutSource`` over ``num_workers`` rollout actors; the staleness rules run here, in the driver."""
+    """``RolloutSource`` over ``num_workers`` rollout actors; the staleness rules run here, in the driver.
+
+    With ``publisher`` (inference servers) the driver alone publishes each version to the servers, once, before
+    offering it to the actors; without it the actors fetch the weights from the object store."""
 
     def __init__(self, model: torch.nn.Module, spec: WorkerSpec, num_workers: int, max_staleness: int,
                  drop_older_than: float | None, start_version: int, board: WeightBoard, ray_config,
-                 jitter_s: float = 0.0) -> None:
-        self.model, self.board, self.rc = model, board, ray_config
+                 jitter_s: float = 0.0, publisher: WeightPublisher | None = None) -> None:
+        self.model, self.board, self.rc, self.publisher = model, board, ray_config, publisher
         self.P = spec.prompts_per_step
         self.chunk = max(1, -(-self.P // num_workers))  # groups per request: a step's groups spread over actors
         self.controller = StalenessController(max_staleness, self.P, drop_older_than)
@@ -190,9 +203,14 @@ class RaySource:
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Offer version ``version`` to every actor: the learner group's object when it published one, else one
-        ``ray.put`` of ``model``'s weights; actors fetch it themselves between decode steps."""
+        ``ray.put`` of ``model``'s weights; actors fetch it themselves between decode steps. With servers, every
+        server is first paused, updated and resumed (``publisher``); the actors then only learn the number."""
         t0 = time.perf_counter()
-        ref = self.board.ref(version, model)
+        if self.publisher is not None:
+            self.publisher.publish(model.state_dict(), version)
+            ref = None
+        else:
+            ref = self.board.ref(version, model)
         self.current = (version, ref)
         for actor in self.actors:
             actor.offer.remote(version, [ref])
