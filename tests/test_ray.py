@@ -1,8 +1,9 @@
 """The Ray backend on a local Ray instance (one per module, 4 logical CPUs): the staleness bound across rollout
 actors finishing out of order, a killed rollout actor restarted with its groups re-issued, and through the command
 line 2 rollout actors and 2 learner ranks, a learner killed mid-run (one line, a checkpoint), resumes from a Ray
-run's checkpoint locally and from a local one on Ray, and 2 rollout actors generating on 2 `vcpo serve` processes
-(one killed mid-run)."""
+run's checkpoint locally and from a local one on Ray, 2 rollout actors generating on 2 `vcpo serve` processes
+(one killed mid-run), and the weight broadcast (``ray.weight_sync=broadcast``, gloo): the actors' weights equal
+learner rank 0's exactly, the group formed again after an actor restart, and a run through the command line."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from vcpo.config import RayConfig, TaskConfig, load_config
 from vcpo.models.default import build_default_model
 from vcpo.models.loading import load_policy
 from vcpo.tasks import make_task
-from vcpo.types import SamplingParams
+from vcpo.types import Batch, SamplingParams
 
 from conftest import ROOT, processes_with, save_tiny_policy, serving, vcpo
 
@@ -188,3 +189,75 @@ def test_two_actors_on_two_servers_through_the_cli_one_server_killed(cluster, tm
     mismatches = [m["mismatch/logprob_abs_max"] for m in lines if "mismatch/logprob_abs_max" in m]
     assert mismatches and max(mismatches) <= 1e-5
     assert sorted(p.name for p in (run / "server_weights").iterdir()) == [f"v{steps - 1:08d}", f"v{steps:08d}"]
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_broadcast_gives_every_actor_rank_0s_weights_exactly_and_forms_again_after_a_restart(cluster, tmp_path):
+    from vcpo.orchestration.ray import RayBackend
+    from vcpo.orchestration.ray.session import get
+    from vcpo.orchestration.ray.weights import host_state_dict
+    from vcpo.orchestration.worker import WorkerSpec
+
+    config = load_config(None, ["async.backend=ray", "async.mode=async", "async.num_workers=2", "async.max_staleness=1",
+                                "ray.weight_sync=broadcast", "ray.timeout_s=30", "ray.max_restarts=1",
+                                "trainer.lr=1e-2", "trainer.weight_decay=0.1",  # moves the weights whatever the rewards
+                                f"run_dir={tmp_path / 'run'}"])
+    path = build_default_model(make_task(config.task), 0, tmp_path / "model")
+    model, tokenizer = load_policy(path, "float32", torch.device("cpu"))
+    spec = WorkerSpec(worker_id=0, model_path=str(path), dtype="float32", device="cpu", lm_head_fp32=False,
+                      task_name=config.task.name, task_kwargs=config.task.kwargs, seed=0, prompts_per_step=4,
+                      group_size=2, sampling=SamplingParams(max_new_tokens=4), inflight_updates=True)
+    with RayBackend(config) as backend:  # joins the module's Ray instance
+        learner = backend.learner(model, str(path))
+        source = backend.source(model, spec, start_version=0)
+
+        def step() -> dict[str, float]:
+            """One learner step and its broadcast (the driver's mirror gets rank 0's weights via the object store)."""
+            batch = source.next_batch(learner.version)
+            learner.step(Batch.from_trajectories(batch, pad_id=tokenizer.pad_token_id))
+            source.publish(model, learner.version)
+            return source.metrics()
+
+        def check() -> None:
+            """Every actor's engine holds rank 0's newest weights exactly (a request swaps in what it received)."""
+            for actor in source.actors:
+                get(actor.generate.remote([10_000], learner.version, [None]), 60, "a request")
+                version, weights = get(actor.weights.remote(), 60, "the actor's weights")
+                assert version == learner.version and _same(weights, host_state_dict(model))
+
+        start = host_state_dict(model)
+        m = step()
+        assert not _same(start, host_state_dict(model))  # the step moved the weights
+        check()
+        assert m["ray/broadcast_groups"] == 1 and m["ray/broadcast_fallbacks"] == 0 and m["time/weight_broadcast_s"] > 0
+        os.kill(source.pids()[0], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        # The broadcast to the dead actor fails; the versions after it go by the object store until the death is seen,
+        # the actor restarted and ray.timeout_s passed (the survivor's receive from the failed broadcast timed out):
+        while m["ray/broadcast_groups"] < 2:
+            assert time.monotonic() < deadline
+            m = step()
+        check()
+        assert m["ray/actor_restarts"] == 1 and m["ray/broadcast_fallbacks"] >= 1 and m["time/weight_broadcast_s"] > 0
+
+
+def test_weight_broadcast_through_the_cli(cluster, tmp_path):
+    """``ray.weight_sync=broadcast``: 2 rollout actors get every learner version from rank 0 over gloo."""
+    run, k, steps = tmp_path / "run", 1, 4
+    vcpo("train", "-c", "configs/quickstart.yaml", f"run_dir={run}", f"sft.cache_dir={tmp_path / 'cache'}",
+         "sft.steps=0", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6",
+         "task.eval_size=8", "trainer.eval_every=0", "trainer.checkpoint_every=0", "logging.progress=false",
+         f"trainer.max_steps={steps}", "async.mode=async", "async.backend=ray", "async.num_workers=2",
+         f"async.max_staleness={k}", "async.inflight_updates=true", "ray.weight_sync=broadcast", "ray.timeout_s=60",
+         f"ray.address={cluster}")
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    for m in lines:
+        assert REQUIRED_KEYS <= m.keys() and m["staleness/max"] <= k
+        assert m["time/weight_broadcast_s"] > 0 and m["ray/broadcast_fallbacks"] == 0
+    assert lines[-1]["ray/broadcast_groups"] == 1  # formed once, at the first learner version
+    # Only the start version (the driver's weights, not rank 0's) went through the object store: once per actor.
+    assert sum(m["ray/weight_loads"] for m in lines) <= 2

@@ -256,6 +256,9 @@ class RayConfig(_Strict):
     worker_num_gpus: float = Field(0.0, ge=0)
     learner_num_cpus: float = Field(1.0, ge=0)
     learner_num_gpus: float = Field(0.0, ge=0)
+    weight_sync: Literal["object_store", "broadcast"] = "object_store"
+    """How new weights reach in-process rollout actors: fetched from the object store, or broadcast by learner rank 0
+    in a process group of its own (NCCL on GPUs, gloo on CPU; the object store stays the fallback)."""
 
 
 class RuntimeConfig(_Strict):
@@ -340,6 +343,9 @@ class Config(_Strict):
         learners = self.trainer.num_learners
         if self.async_.backend == "ray" and self.async_.mode != "async":
             raise ValueError(f"async.backend=ray needs async.mode=async (got {self.async_.mode!r})")
+        if self.ray.weight_sync == "broadcast" and self.async_.backend == "ray" and self.rollout.engine == "server":
+            raise ValueError("ray.weight_sync=broadcast is for in-process rollout actors: with rollout.engine=server "
+                             "the servers get the weights through rollout.server")
         if learners > 1 and self.async_.backend != "ray":
             raise ValueError(f"trainer.num_learners={learners} needs async.backend=ray")
         groups = self.async_.replay.groups_per_step if self.async_.replay.enabled else None

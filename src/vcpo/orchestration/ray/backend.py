@@ -21,6 +21,7 @@ class RayBackend:
         self.config = config
         self.session = RaySession(config)  # imports Ray, or one line naming the extra
         self.owned: list[Any] = []
+        self.learners = None
 
     def __enter__(self) -> RayBackend:
         self.session.__enter__()
@@ -42,6 +43,7 @@ class RayBackend:
 
         group = LearnerGroup(model, self.config, model_path, self.board)
         self.owned.append(group)
+        self.learners = group
         return group
 
     def source(self, model: torch.nn.Module, spec: WorkerSpec, start_version: int,
@@ -50,8 +52,13 @@ class RayBackend:
         driver publishes each version to the servers and the actors are their HTTP clients."""
         from vcpo.orchestration.ray.rollout import RaySource
 
-        ac = self.config.async_
+        ac, rc = self.config.async_, self.config.ray
+        broadcast = None
+        if rc.weight_sync == "broadcast" and publisher is None:
+            from vcpo.orchestration.ray.broadcast import WeightBroadcast
+
+            broadcast = WeightBroadcast(self.learners.actors[0], rc.timeout_s)
         source = RaySource(model, spec, ac.num_workers, ac.generation_bound(), ac.drop_older_than, start_version,
-                           self.board, self.config.ray, publisher=publisher)
+                           self.board, rc, publisher=publisher, broadcast=broadcast)
         self.owned.append(source)
         return source

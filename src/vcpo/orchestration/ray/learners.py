@@ -8,7 +8,6 @@ gradient, the same AdamW step), so any live rank can give the state a checkpoint
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 
 from vcpo.config import Config, config_from_dict
 from vcpo.orchestration.base import BackendError
+from vcpo.orchestration.ray.broadcast import BroadcastMember, Failed, Layout, attempt, broadcast_layout, free_endpoint
 from vcpo.orchestration.ray.session import get
 from vcpo.orchestration.ray.weights import WeightBoard, host_state_dict
 from vcpo.types import Batch
@@ -40,13 +40,13 @@ class LearnerActor:
         self.rank, self.world_size = rank, world_size
         self.lock = threading.Lock()  # a whole step (or load) against a concurrent read of the optimizer state
         self.learner = None
+        self.broadcast: BroadcastMember | None = None
 
     @ray.method(concurrency_group="control")
     def rendezvous(self) -> tuple[str, int]:
-        """This node's address and a free port for the process group (asked of rank 0)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        """This node's address and a free port for a process group: the learners' or the weight broadcast's (asked of
+        rank 0)."""
+        return free_endpoint()
 
     @ray.method(concurrency_group="step")
     def join(self, address: str, port: int) -> None:
@@ -81,6 +81,24 @@ class LearnerActor:
         t0 = time.perf_counter()
         ref = ray.put(host_state_dict(self.model))
         return metrics | {"time/weight_put_s": time.perf_counter() - t0}, [ref], self.learner.skip_reason
+
+    @ray.method(concurrency_group="step")
+    def broadcast_plan(self) -> tuple[str, Layout]:
+        """Rank 0's device type and what it broadcasts to the rollout actors (``ray.weight_sync: broadcast``)."""
+        return next(self.model.parameters()).device.type, broadcast_layout(self.model.state_dict())
+
+    @ray.method(concurrency_group="step")
+    def join_broadcast(self, address: str, port: int, world_size: int, backend: str, layout: Layout) -> Failed | None:
+        """Rank 0 of the weight-broadcast group (its own store on ``port``; a new group replaces an old one)."""
+        def join() -> None:
+            self.broadcast = BroadcastMember(address, port, 0, world_size, self.config.ray.timeout_s, backend, layout)
+
+        return attempt(join)
+
+    @ray.method(concurrency_group="step")
+    def broadcast_weights(self) -> Failed | None:
+        with self.lock:
+            return attempt(self.broadcast.send, self.model.state_dict())
 
     @ray.method(concurrency_group="control")
     def optimizer_state(self) -> tuple[int, dict[str, Any]]:

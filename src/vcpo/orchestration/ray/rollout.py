@@ -16,8 +16,9 @@ import ray
 import torch
 
 from vcpo.orchestration.base import BackendError, generator_for
+from vcpo.orchestration.ray.broadcast import BroadcastMember, Failed, Layout, WeightBroadcast, attempt
 from vcpo.orchestration.ray.session import get
-from vcpo.orchestration.ray.weights import WeightBoard
+from vcpo.orchestration.ray.weights import WeightBoard, host_state_dict
 from vcpo.orchestration.staleness import StalenessController
 from vcpo.orchestration.worker import WorkerSpec, build_worker
 from vcpo.rollout.weights import WeightPublisher
@@ -44,10 +45,41 @@ class RolloutActor:
         self.engine, self.tokenizer, self.task, self.stream = build_worker(spec, version_of=self.offered_version)
         self.rng = random.Random(os.getpid())
         self.load_s: list[float] = []
+        self.broadcast: BroadcastMember | None = None
 
     @ray.method(concurrency_group="control")
     def pid(self) -> int:
         return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def sync_device(self) -> str:
+        return self.engine.device.type
+
+    @ray.method(concurrency_group="control")
+    def join_broadcast(self, address: str, port: int, rank: int, world_size: int, backend: str,
+                       layout: Layout) -> Failed | None:
+        """Rank ``rank`` of the weight-broadcast group (``ray.weight_sync: broadcast``); replaces an older group."""
+        def join() -> None:
+            self.broadcast = BroadcastMember(address, port, rank, world_size, self.timeout_s, backend, layout)
+
+        return attempt(join)
+
+    @ray.method(concurrency_group="control")
+    def receive_weights(self, version: int) -> Failed | None:
+        """Receive ``version`` from learner rank 0 into fresh buffers; the generating thread swaps it in between decode
+        steps (or before its next request), as it would an object fetched from the store."""
+        def receive() -> None:
+            state = self.broadcast.receive()
+            with self.lock:
+                if self.offered is None or version > self.offered[0]:
+                    self.offered = (version, state)
+
+        return attempt(receive)
+
+    @ray.method(concurrency_group="control")
+    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The engine's version and weights (host copies)."""
+        return self.engine.version, host_state_dict(self.engine.model)
 
     @ray.method(concurrency_group="control")
     def offer(self, version: int, ref: list) -> None:
@@ -70,6 +102,8 @@ class RolloutActor:
             offered = self.offered
         if self.spec.server is not None or offered is None or offered[0] == self.engine.version:
             return None
+        if isinstance(offered[1], dict):  # received by broadcast
+            return offered
         t0 = time.perf_counter()
         state = get(offered[1], self.timeout_s, f"weights of version {offered[0]}")
         self.load_s.append(time.perf_counter() - t0)
@@ -97,12 +131,14 @@ class RaySource:
     """``RolloutSource`` over ``num_workers`` rollout actors; the staleness rules run here, in the driver.
 
     With ``publisher`` (inference servers) the driver alone publishes each version to the servers, once, before
-    offering it to the actors; without it the actors fetch the weights from the object store."""
+    offering it to the actors; without it the actors fetch the weights from the object store, or with ``broadcast``
+    receive each learner version from learner rank 0 in a process group (the object store stays the fallback)."""
 
     def __init__(self, model: torch.nn.Module, spec: WorkerSpec, num_workers: int, max_staleness: int,
                  drop_older_than: float | None, start_version: int, board: WeightBoard, ray_config,
-                 jitter_s: float = 0.0, publisher: WeightPublisher | None = None) -> None:
-        self.model, self.board, self.rc, self.publisher = model, board, ray_config, publisher
+                 jitter_s: float = 0.0, publisher: WeightPublisher | None = None,
+                 broadcast: WeightBroadcast | None = None) -> None:
+        self.model, self.board, self.rc, self.publisher, self.broadcast = model, board, ray_config, publisher, broadcast
         self.P = spec.prompts_per_step
         self.chunk = max(1, -(-self.P // num_workers))  # groups per request: a step's groups spread over actors
         self.controller = StalenessController(max_staleness, self.P, drop_older_than)
@@ -124,6 +160,8 @@ class RaySource:
         self.ready: deque[list[Trajectory]] = deque()
         self.stats = {"ray/actor_restarts": 0.0, "ray/reissued_groups": 0.0, "ray/weight_loads": 0.0,
                       "ray/weight_load_s": 0.0, "time/weight_publish_s": 0.0}
+        if broadcast is not None:
+            self.stats["time/weight_broadcast_s"] = 0.0
         self.current: tuple[int, Any] | None = None
         self.start_version = start_version
 
@@ -209,8 +247,12 @@ class RaySource:
         if self.publisher is not None:
             self.publisher.publish(model.state_dict(), version)
             ref = None
-        else:
+        else:  # the object store holds every version (the driver's mirror loads it): the fallback of a broadcast
             ref = self.board.ref(version, model)
+            # Rank 0 holds the learner's versions only: the start version (e.g. a resumed checkpoint) goes by the store.
+            if self.broadcast is not None and version > self.start_version:
+                took = self.broadcast.send(self.actors, self.lives, version, restarting=bool(self.probes))
+                self.stats["time/weight_broadcast_s"] = 0.0 if took is None else took
         self.current = (version, ref)
         for actor in self.actors:
             actor.offer.remote(version, [ref])
@@ -221,6 +263,8 @@ class RaySource:
         s = self.controller.stats
         out = {"staleness/dropped_over_bound": float(s.dropped_over_bound),
                "staleness/dropped_alpha": float(s.dropped_alpha)} | self.stats
+        if self.broadcast is not None:
+            out |= self.broadcast.stats
         self.stats = dict.fromkeys(self.stats, 0.0) | {"ray/actor_restarts": self.stats["ray/actor_restarts"],
                                                         "ray/reissued_groups": self.stats["ray/reissued_groups"]}
         return out
