@@ -4,13 +4,16 @@ per step, and the object store's put/get throughput (what the CPU fallback of we
 Run by hand (results in benchmarks/RESULTS.md):
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/ray_scaling.py --steps 12 [--out benchmarks/ray_scaling]
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/ray_scaling.py --servers 2 --rounds 2 --steps 12
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/ray_scaling.py --weight-sync --rounds 2 --steps 12
 
 Each cell is one `vcpo train` (in this process) on one shared local Ray instance; the first 2 steps (actor start,
 the first rollouts) are left out of the rates. The model is the embedded default without a warm start
 (sft.steps=0): rollout and learner costs do not depend on what the model has learned. With ``--servers N`` the
 cells are instead 2 rollout workers on N `vcpo serve` processes, the local backend against Ray, alternated for
 ``--rounds`` rounds: steps/s and ``time/weight_publish_s`` (write the safetensors directory, then pause, update and
-resume every server).
+resume every server). With ``--weight-sync`` the cells are 2 rollout actors and 1 learner with
+``ray.weight_sync`` object_store against broadcast, alternated, then the raw throughput of both paths on a
+``--store-mb`` state dict sent to 2 receiving actors.
 """
 
 from __future__ import annotations
@@ -96,6 +99,71 @@ def server_cells(count: int, rounds: int, steps: int, root: Path) -> list[dict[s
     return cells
 
 
+def sync_cell(mode: str, steps: int, root: Path, round_: int) -> dict[str, float]:
+    """2 rollout actors and 1 learner actor, weights to the actors by ``ray.weight_sync=mode``."""
+    lines = timed_lines(root / f"{mode}_{round_}", ["async.backend=ray", "async.num_workers=2",
+                                                    f"ray.weight_sync={mode}"], steps, root)
+    step_s = [m["time/step_s"] for m in lines]
+    loads = sum(m["ray/weight_loads"] for m in lines)
+    return {"weight_sync": mode, "round": round_, "steps_timed": len(lines), "steps_per_s": len(step_s) / sum(step_s),
+            "weight_sync_s": statistics.mean(m["time/weight_sync_s"] for m in lines),
+            "weight_put_s": statistics.mean(m["time/weight_put_s"] for m in lines),
+            "weight_broadcast_s": statistics.mean(m.get("time/weight_broadcast_s", 0.0) for m in lines),
+            "weight_publish_s": statistics.mean(m["time/weight_publish_s"] for m in lines),
+            "actor_store_fetches_per_step": loads / len(lines),
+            "actor_store_fetch_s": sum(m["ray/weight_load_s"] for m in lines) / max(loads, 1),
+            "broadcast_fallbacks": lines[-1].get("ray/broadcast_fallbacks", 0.0)}
+
+
+def broadcast_throughput(megabytes: int, receivers: int = 2, repeats: int = 3) -> dict[str, float]:
+    """Seconds to get a bfloat16 state dict of ``megabytes`` from one actor to ``receivers`` actors: a gloo broadcast
+    in the weight-broadcast group (flat buffer), against ``ray.put`` by the sender and ``ray.get`` by each receiver."""
+    import ray
+
+    from vcpo.orchestration.ray.broadcast import BroadcastMember, broadcast_layout, free_endpoint
+
+    n = megabytes * 2**20 // 2 // 64
+    layout = broadcast_layout({f"layer{i}": torch.empty(n, dtype=torch.bfloat16) for i in range(64)})
+
+    @ray.remote(num_cpus=0)
+    class Member:
+        def join(self, address: str, port: int, rank: int) -> None:
+            self.member = BroadcastMember(address, port, rank, receivers + 1, 300, "gloo", layout)
+            self.state = {key: torch.ones(shape, dtype=dtype) for key, shape, dtype in layout} if rank == 0 else None
+
+        def broadcast(self) -> float:
+            t0 = time.perf_counter()
+            if self.state is not None:
+                self.member.send(self.state)
+            else:
+                self.member.receive()
+            return time.perf_counter() - t0
+
+        def put(self) -> list:
+            return [ray.put(self.state)]
+
+        def fetch(self, refs: list) -> float:
+            t0 = time.perf_counter()
+            ray.get(refs[0])
+            return time.perf_counter() - t0
+
+    members = [Member.remote() for _ in range(receivers + 1)]
+    address, port = ray.get(ray.remote(num_cpus=0)(free_endpoint).remote())
+    ray.get([m.join.remote(address, port, rank) for rank, m in enumerate(members)])
+    broadcast_s, store_s = [], []
+    for _ in range(repeats):
+        broadcast_s.append(max(ray.get([m.broadcast.remote() for m in members])))
+        t0 = time.perf_counter()
+        refs = ray.get(members[0].put.remote())
+        ray.get([m.fetch.remote(refs) for m in members[1:]])
+        store_s.append(time.perf_counter() - t0)
+        del refs
+    for m in members:
+        ray.kill(m)
+    return {"megabytes": megabytes, "receivers": receivers, "broadcast_s": min(broadcast_s),
+            "object_store_s": min(store_s)}
+
+
 def object_store_throughput(megabytes: int, repeats: int = 3) -> dict[str, float]:
     """GB/s of ``ray.put`` of a bfloat16 state dict of ``megabytes`` and of an actor's ``ray.get`` of it."""
     import ray
@@ -126,7 +194,8 @@ def main() -> None:
     parser.add_argument("--store-mb", type=int, default=512)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--servers", type=int, default=0, help="N > 0: local vs Ray on N vcpo serve processes")
-    parser.add_argument("--rounds", type=int, default=2, help="with --servers: local/Ray alternations")
+    parser.add_argument("--rounds", type=int, default=2, help="with --servers or --weight-sync: alternations")
+    parser.add_argument("--weight-sync", action="store_true", help="ray.weight_sync object_store against broadcast")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vcpo.config import load_config
@@ -138,6 +207,13 @@ def main() -> None:
         with RaySession(load_config(None, ["async.backend=ray", "ray.num_cpus=4"])):
             if args.servers:
                 results["cells"] = server_cells(args.servers, args.rounds, args.steps, root)
+            elif args.weight_sync:
+                for r in range(args.rounds):
+                    for mode in ("object_store", "broadcast"):
+                        results["cells"].append(sync_cell(mode, args.steps, root, r))
+                        print(json.dumps(results["cells"][-1]), flush=True)
+                results["throughput"] = broadcast_throughput(args.store_mb)
+                print(json.dumps(results["throughput"]), flush=True)
             else:
                 for workers, learners in CELLS:
                     results["cells"].append(cell(workers, learners, args.steps, root))
@@ -150,7 +226,8 @@ def main() -> None:
     print(json.dumps(results, indent=2))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"results_servers{args.servers}.json" if args.servers else "results.json"
+        name = (f"results_servers{args.servers}.json" if args.servers
+                else "results_weight_sync.json" if args.weight_sync else "results.json")
         (args.out / name).write_text(json.dumps(results, indent=2))
 
 

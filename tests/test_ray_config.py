@@ -20,6 +20,10 @@ from conftest import vcpo
      "trainer.num_learners=5 exceeds the groups per step (4): each rank trains on whole groups"),
     (["async.backend=spark"], "config key 'async.backend'"),
     (["ray.timeout_s=0"], "config key 'ray.timeout_s'"),
+    (["ray.weight_sync=nccl"], "config key 'ray.weight_sync'"),
+    (["async.backend=ray", "ray.weight_sync=broadcast", "rollout.engine=server", "rollout.server.urls=[http://h:1]"],
+     "ray.weight_sync=broadcast is for in-process rollout actors: with rollout.engine=server the servers get the "
+     "weights through rollout.server"),
 ])
 def test_bad_backend_settings_are_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
