@@ -245,14 +245,15 @@ def test_broadcast_gives_every_actor_rank_0s_weights_exactly_and_forms_again_aft
 
 
 def test_weight_broadcast_through_the_cli(cluster, tmp_path):
-    """``ray.weight_sync=broadcast``: 2 rollout actors get every learner version from rank 0 over gloo."""
+    """``ray.weight_sync=broadcast``: 2 rollout actors get every learner version from rank 0 over gloo, rank 0 being
+    also a member of the 2 learners' own group."""
     run, k, steps = tmp_path / "run", 1, 4
     vcpo("train", "-c", "configs/quickstart.yaml", f"run_dir={run}", f"sft.cache_dir={tmp_path / 'cache'}",
          "sft.steps=0", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6",
          "task.eval_size=8", "trainer.eval_every=0", "trainer.checkpoint_every=0", "logging.progress=false",
          f"trainer.max_steps={steps}", "async.mode=async", "async.backend=ray", "async.num_workers=2",
-         f"async.max_staleness={k}", "async.inflight_updates=true", "ray.weight_sync=broadcast", "ray.timeout_s=60",
-         f"ray.address={cluster}")
+         f"async.max_staleness={k}", "async.inflight_updates=true", "trainer.num_learners=2",
+         "ray.weight_sync=broadcast", "ray.timeout_s=60", f"ray.address={cluster}")
     lines = metrics(run)
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     for m in lines:

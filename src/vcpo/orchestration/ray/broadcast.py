@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from vcpo.orchestration.base import BackendError
+from vcpo.orchestration.ray.session import RemoteFailed, gather
 
 
 def free_endpoint() -> tuple[str, int]:
@@ -126,17 +127,11 @@ class WeightBroadcast:
         self.stats = {"ray/broadcast_groups": 0.0, "ray/broadcast_fallbacks": 0.0}
 
     def _wait(self, refs: list, what: str) -> list:
-        """Every answer; the first member to fail ends the wait at once, not at the deadline."""
-        deadline, waiting = time.monotonic() + self.timeout_s, list(refs)
+        """Every member's answer; the first member to fail ends the wait at once, not at the deadline."""
         try:
-            while waiting:
-                done, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-                if not done:
-                    raise BackendError(f"{what} did not finish within ray.timeout_s={self.timeout_s:g} s")
-                if isinstance(answer := ray.get(done[0]), Failed):
-                    raise BackendError(f"{what} failed: {answer.reason}")
-            return ray.get(refs)
-        except ray.exceptions.RayError as exc:
+            return gather(refs, self.timeout_s, what, refuse=lambda a: a.reason if isinstance(a, Failed) else None)
+        except RemoteFailed as failed:
+            exc = failed.error
             text = str(getattr(exc, "cause", None) or exc).strip().splitlines()
             raise BackendError(f"{what} failed: {type(exc).__name__}: {text[0][:200] if text else ''}") from None
 

@@ -18,7 +18,7 @@ import torch
 from vcpo.config import Config, config_from_dict
 from vcpo.orchestration.base import BackendError
 from vcpo.orchestration.ray.broadcast import BroadcastMember, Failed, Layout, attempt, broadcast_layout, free_endpoint
-from vcpo.orchestration.ray.session import get
+from vcpo.orchestration.ray.session import RemoteFailed, gather, get
 from vcpo.orchestration.ray.weights import WeightBoard, host_state_dict
 from vcpo.types import Batch
 
@@ -152,21 +152,17 @@ class LearnerGroup:
 
     def _call(self, refs: list, what: str) -> list:
         """All ranks' answers; the first rank to fail (a dead actor) ends the wait at once, not at the timeout."""
-        deadline, waiting = time.monotonic() + self.timeout_s, list(refs)
         try:
-            while waiting:
-                done, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-                if not done:
-                    raise BackendError(f"{what} did not finish within ray.timeout_s={self.timeout_s:g} s")
-                ray.get(done[0])
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as exc:
-            raise BackendError(f"learner rank {refs.index(done[0])} died during {what} "
-                               f"({type(exc).__name__})") from None
-        except ray.exceptions.RayTaskError as exc:  # e.g. a collective that lost its peer
-            cause = str(exc.cause).strip().splitlines()
-            raise BackendError(f"learner rank {refs.index(done[0])} failed during {what}: "
-                               f"{type(exc.cause).__name__}: {cause[0][:200] if cause else ''}") from None
+            return gather(refs, self.timeout_s, what)
+        except RemoteFailed as failed:
+            exc = failed.error
+            if isinstance(exc, ray.exceptions.RayActorError):
+                raise BackendError(f"learner rank {failed.index} died during {what} ({type(exc).__name__})") from None
+            if isinstance(exc, ray.exceptions.RayTaskError):  # e.g. a collective that lost its peer
+                cause = str(exc.cause).strip().splitlines()
+                raise BackendError(f"learner rank {failed.index} failed during {what}: "
+                                   f"{type(exc.cause).__name__}: {cause[0][:200] if cause else ''}") from None
+            raise exc from None
 
     def _sync(self) -> None:
         """Before the first step (and after a resume): the driver's weights and optimizer state to every rank."""

@@ -1,7 +1,8 @@
 """Rollout actors and the driver's ``RaySource``: each actor owns an engine and generates the groups it is sent;
 the driver admits groups under the ``StalenessController`` rules, filters them at batch time, re-issues the groups
 of an actor that died, and offers every new weight version to all actors: one object in the object store (the
-in-process engine), or, with inference servers, the version number once the driver has published it to them."""
+in-process engine, which ``ray.weight_sync: broadcast`` sends ahead from learner rank 0 in a process group), or,
+with inference servers, the version number once the driver has published it to them."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ class RolloutActor:
     """A Ray actor (threaded: rollouts in one thread, weight offers and ``pid`` in another) owning one engine.
 
     New weights are offered as (version, [ObjectRef]); the actor fetches the newest one from the object store
-    before each request and, with in-flight updates, between decode steps. With inference servers
+    before each request and, with in-flight updates, between decode steps; a version received by broadcast
+    (``receive_weights``) is swapped in at the same points, without a fetch. With inference servers
     (``spec.server``) the actor is a thin HTTP client over every server of ``rollout.server.urls``: the driver has
     already brought the servers to the offered version, so the offer only tells the engine which version its calls
     run under (``vcpo serve`` tags each token itself; vLLM and SGLang tokens get the version known when the call was

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
+from collections.abc import Callable
 from typing import Any
 
 from vcpo.config import Config, ConfigError
@@ -75,3 +77,30 @@ def get(refs, timeout_s: float, what: str):
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         raise BackendError(f"{what} did not answer within ray.timeout_s={timeout_s:g} s") from None
+
+
+class RemoteFailed(Exception):
+    """The remote call at position ``index`` of a ``gather`` raised ``error`` (a Ray error)."""
+
+    def __init__(self, index: int, error: Exception) -> None:
+        super().__init__(str(error))
+        self.index, self.error = index, error
+
+
+def gather(refs: list, timeout_s: float, what: str, refuse: Callable[[Any], str | None] = lambda _: None) -> list:
+    """Every answer of ``refs`` in order, within ``timeout_s`` in all; the first call to fail ends the wait at once
+    (``RemoteFailed``), as does an answer that ``refuse`` gives a reason for (one line naming ``what``)."""
+    import ray
+
+    deadline, waiting = time.monotonic() + timeout_s, list(refs)
+    while waiting:
+        done, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise BackendError(f"{what} did not finish within ray.timeout_s={timeout_s:g} s")
+        try:
+            answer = ray.get(done[0])
+        except ray.exceptions.RayError as exc:
+            raise RemoteFailed(refs.index(done[0]), exc) from None
+        if (reason := refuse(answer)) is not None:
+            raise BackendError(f"{what} failed: {reason}")
+    return ray.get(refs)
