@@ -29,7 +29,8 @@ class Rule:
     ess_below: float | None = None
     reward_drop: float | None = None
     warmup: int = 20
-    """The lag ramps up over a stale run's first k steps; no rule fires while it does (nor in the first steps)."""
+    """No rule fires before this step: the first steps' signals are noisy and, in lagged mode, come from a lag
+    that is still ramping up (step t trains on the samples of version max(0, t - k))."""
 
     def describe(self) -> str:
         parts = []
@@ -65,8 +66,10 @@ class Rule:
         return steps
 
 
-BASELINE_RULES = [Rule(smooth=s, ess_below=x) for s, x in product((1, 10, 25), (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5))]
-"""The trivial baseline: "warn when the ESS ratio is below x"."""
+BASELINE_RULES = [Rule(smooth=s, ess_below=x, warmup=w)
+                  for w, s, x in product((20, 10, 5), (1, 5, 10, 25), (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5))]
+"""The trivial baseline: "warn when the ESS ratio is below x". Its first step is tuned too: in lagged mode a
+collapse can come within the first k steps (study2: by step 25 at k = 64), while the lag still ramps up."""
 REWARD_RULES = [Rule(smooth=s, reward_drop=d, ess_below=x)
                 for s, d, x in product((10, 25, 50), (0.1, 0.15, 0.2, 0.3, 0.4), (None, 0.3, 0.6))]
 """The candidate: the training reward falls from its best (optionally while the ESS ratio is low)."""
