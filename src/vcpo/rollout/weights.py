@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -23,19 +23,21 @@ class WeightPublisher(Protocol):
     def publish(self, state_dict: Mapping[str, Tensor], version: int) -> None: ...
 
 
-def _unaliased(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Host copies of the tensors, each storage once (tied embeddings are saved under their first name only, as
-    ``save_pretrained`` does; loaders fill the alias)."""
+def distinct_tensors(state_dict: Mapping[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+    """``state_dict``'s entries in order, an alias of an earlier entry (tied embeddings: the same memory, shape and
+    strides) left out, as ``save_pretrained`` does; loaders fill the alias from the tensor it shares."""
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-    out: dict[str, Tensor] = {}
     for key, value in state_dict.items():
         ident = (value.untyped_storage().data_ptr() + value.storage_offset() * value.element_size(),
                  tuple(value.shape), tuple(value.stride()))
-        if ident in seen:
-            continue
-        seen.add(ident)
-        out[key] = value.detach().to("cpu").contiguous()
-    return out
+        if ident not in seen:
+            seen.add(ident)
+            yield key, value
+
+
+def _unaliased(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Host copies of the distinct tensors (tied embeddings under their first name only)."""
+    return {key: value.detach().to("cpu").contiguous() for key, value in distinct_tensors(state_dict)}
 
 
 def write_weights_dir(root: str | Path, state_dict: Mapping[str, Tensor], version: int, keep_last: int = 2,

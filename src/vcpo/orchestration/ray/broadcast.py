@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from vcpo.orchestration.base import BackendError
-from vcpo.orchestration.ray.session import RemoteFailed, gather
+from vcpo.orchestration.ray.session import RemoteFailed, error_line, gather
+from vcpo.rollout.weights import distinct_tensors
 
 
 def free_endpoint() -> tuple[str, int]:
@@ -31,16 +32,9 @@ Layout = list[tuple[str, torch.Size, torch.dtype]]
 
 
 def broadcast_layout(state_dict: dict[str, Tensor]) -> Layout:
-    """What rank 0 sends, in order: ``state_dict``'s entries, each storage once. An alias (tied embeddings) is left
-    out: the receiving engine fills it from the tensor it shares (``HFRolloutEngine.load_weights``)."""
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    layout = []
-    for key, value in state_dict.items():
-        ident = (value.untyped_storage().data_ptr() + value.storage_offset() * value.element_size(), tuple(value.shape))
-        if ident not in seen:
-            seen.add(ident)
-            layout.append((key, value.shape, value.dtype))
-    return layout
+    """What rank 0 sends, in order: ``state_dict``'s distinct tensors. An alias (tied embeddings) is left out: the
+    receiving engine fills it from the tensor it shares (``HFRolloutEngine.load_weights``)."""
+    return [(key, value.shape, value.dtype) for key, value in distinct_tensors(state_dict)]
 
 
 class BroadcastMember:
@@ -102,8 +96,7 @@ def attempt(fn, *args) -> Failed | None:
     try:
         fn(*args)
     except RuntimeError as exc:  # torch.distributed's errors (a closed peer, a timeout) are RuntimeErrors
-        text = str(exc).strip().splitlines()
-        return Failed(f"{type(exc).__name__}: {text[0][:200] if text else ''}")
+        return Failed(error_line(exc))
     return None
 
 
@@ -131,9 +124,8 @@ class WeightBroadcast:
         try:
             return gather(refs, self.timeout_s, what, refuse=lambda a: a.reason if isinstance(a, Failed) else None)
         except RemoteFailed as failed:
-            exc = failed.error
-            text = str(getattr(exc, "cause", None) or exc).strip().splitlines()
-            raise BackendError(f"{what} failed: {type(exc).__name__}: {text[0][:200] if text else ''}") from None
+            error = getattr(failed.error, "cause", None) or failed.error  # a task's own error, not Ray's wrapper
+            raise BackendError(f"{what} failed: {error_line(error)}") from None
 
     def _form(self, actors: list, lives: list[int]) -> None:
         (device, layout), *devices = self._wait(

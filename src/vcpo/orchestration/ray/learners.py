@@ -18,7 +18,7 @@ import torch
 from vcpo.config import Config, config_from_dict
 from vcpo.orchestration.base import BackendError
 from vcpo.orchestration.ray.broadcast import BroadcastMember, Failed, Layout, attempt, broadcast_layout, free_endpoint
-from vcpo.orchestration.ray.session import RemoteFailed, gather, get
+from vcpo.orchestration.ray.session import RemoteFailed, error_line, gather, get
 from vcpo.orchestration.ray.weights import WeightBoard, host_state_dict
 from vcpo.types import Batch
 
@@ -159,9 +159,8 @@ class LearnerGroup:
             if isinstance(exc, ray.exceptions.RayActorError):
                 raise BackendError(f"learner rank {failed.index} died during {what} ({type(exc).__name__})") from None
             if isinstance(exc, ray.exceptions.RayTaskError):  # e.g. a collective that lost its peer
-                cause = str(exc.cause).strip().splitlines()
                 raise BackendError(f"learner rank {failed.index} failed during {what}: "
-                                   f"{type(exc.cause).__name__}: {cause[0][:200] if cause else ''}") from None
+                                   f"{error_line(exc.cause)}") from None
             raise exc from None
 
     def _sync(self) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from vcpo.orchestration.base import BackendError, generator_for
 from vcpo.orchestration.ray.broadcast import BroadcastMember, Failed, Layout, WeightBroadcast, attempt
-from vcpo.orchestration.ray.session import get
+from vcpo.orchestration.ray.session import error_line, get
 from vcpo.orchestration.ray.weights import WeightBoard, host_state_dict
 from vcpo.orchestration.staleness import StalenessController
 from vcpo.orchestration.worker import WorkerSpec, build_worker
@@ -205,9 +205,7 @@ class RaySource:
         except ray.exceptions.ActorDiedError:
             raise self._gone(actor) from None
         except ray.exceptions.RayTaskError as exc:  # the actor lives but its request raised (e.g. a weight fetch)
-            cause = str(exc.cause).strip().splitlines()
-            raise BackendError(f"rollout actor {actor} failed: {type(exc.cause).__name__}: "
-                               f"{cause[0][:200] if cause else ''}") from None
+            raise BackendError(f"rollout actor {actor} failed: {error_line(exc.cause)}") from None
         except ray.exceptions.ActorUnavailableError:
             if life == self.lives[actor]:  # the first request to fail with this death: Ray restarts the actor
                 self.lives[actor] += 1

@@ -79,6 +79,13 @@ def get(refs, timeout_s: float, what: str):
         raise BackendError(f"{what} did not answer within ray.timeout_s={timeout_s:g} s") from None
 
 
+def error_line(error: BaseException) -> str:
+    """``Type: first line`` of an error (torch.distributed's and Ray's messages run to many lines), at most 200
+    characters of text."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200] if text else ''}"
+
+
 class RemoteFailed(Exception):
     """The remote call at position ``index`` of a ``gather`` raised ``error`` (a Ray error)."""
 
