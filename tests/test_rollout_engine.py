@@ -12,6 +12,7 @@ from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from vcpo.rollout import HFRolloutEngine, RolloutError, WeightLoadError, sample_next
+from vcpo.rollout.engine import cache_kwarg, returned_cache
 from vcpo.types import Batch, SamplingParams, Trajectory
 from vcpo.variance import token_logprobs
 
@@ -216,7 +217,7 @@ def test_inflight_update_keeps_the_old_kv_cache_and_tags_versions():
         seq = torch.tensor([prompt + g.response_ids])
         with torch.no_grad():
             head = old(input_ids=seq[:, : len(prompt) + 1], use_cache=True)
-            tail = new(input_ids=seq[:, len(prompt) + 1 : -1], past_key_values=head.past_key_values)
+            tail = new(input_ids=seq[:, len(prompt) + 1 : -1], **cache_kwarg(new, returned_cache(head)))
         logits = torch.cat([head.logits[0, -2:], tail.logits[0]])
         ref = torch.log_softmax(logits, dim=-1).gather(-1, seq[0, len(prompt) :, None]).squeeze(-1)
         assert (torch.tensor(g.behavior_logprobs) - ref).abs().max().item() < 1e-5

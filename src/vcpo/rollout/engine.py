@@ -7,6 +7,7 @@ rollouts, as in PipelineRL), so one response can span versions.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -20,6 +21,25 @@ from vcpo.variance.logprobs import split_head
 
 WeightPoll = Callable[[], tuple[int, Mapping[str, Tensor]] | None]
 """Called before every forward pass of a generation: None, or (new version, new state dict) to apply now."""
+
+
+def cache_kwarg(module: nn.Module, past: Any) -> dict[str, Any]:
+    """The KV cache as a forward keyword: ``cache`` where the model's forward takes it (transformers 5.2x renamed
+    it and deprecates ``past_key_values``, to be removed in 5.40), ``past_key_values`` in earlier releases."""
+    name = _CACHE_KWARG.get(type(module))
+    if name is None:
+        name = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+        _CACHE_KWARG[type(module)] = name
+    return {name: past}
+
+
+def returned_cache(out: Any) -> Any:
+    """The updated KV cache of a forward's output, under either of transformers' names (see ``cache_kwarg``)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+_CACHE_KWARG: dict[type, str] = {}
 
 
 class RolloutError(ValueError):
@@ -197,12 +217,12 @@ class HFRolloutEngine:
         split = self._fp32_split()
         if split is None:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past, use_cache=True, logits_to_keep=1)
-            return out.logits[:, -1], out.past_key_values
+                             use_cache=True, logits_to_keep=1, **cache_kwarg(self.model, past))
+            return out.logits[:, -1], returned_cache(out)
         body, weight, bias = split
-        out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   past_key_values=past, use_cache=True)
-        return F.linear(out.last_hidden_state[:, -1].float(), weight, bias), out.past_key_values
+        out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                   **cache_kwarg(body, past))
+        return F.linear(out.last_hidden_state[:, -1].float(), weight, bias), returned_cache(out)
 
     @torch.no_grad()
     def generate(
