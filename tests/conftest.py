@@ -26,8 +26,10 @@ LAGGED = ["async.mode=lagged", "async.max_staleness=2", "trainer.max_steps=4"]
 """The lagged run of ``lagged_full``: 4 steps, k = 2, evaluations and checkpoints at steps 2 and 4."""
 
 
-def vcpo(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "vcpo.cli", *args], capture_output=True, text=True,
+def vcpo(*args: str, check: bool = True, python: list[str] | None = None) -> subprocess.CompletedProcess:
+    """``vcpo ARGS`` through the real command line (``python``: what runs it instead of ``-m vcpo.cli``, e.g. a
+    ``-c`` program that injects a fault before it calls ``vcpo.cli.main``)."""
+    proc = subprocess.run([sys.executable, *(python or ["-m", "vcpo.cli"]), *args], capture_output=True, text=True,
                           env=command_env(), cwd=ROOT, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"vcpo {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
