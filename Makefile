@@ -1,34 +1,51 @@
 # The two commands of the README: `make test` (lint + test suite) and `make demo` (the main job).
-# Each creates .venv on a fresh machine and installs what it needs.
+# Each creates .venv on a fresh machine and installs what it needs, at the versions pinned in requirements/lock.txt.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+LOCK := requirements/lock.txt
+PIP := $(BIN)/pip install --quiet --disable-pip-version-check
+# torch first, the CPU build (a range resolved by pip alone would pull a CUDA build of several GB); then the rest,
+# every version pinned by the lock file used as constraints, so that each extra installs only what it needs.
+INSTALL = test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
+	$(PIP) -c $(LOCK) torch==2.13.0 && $(PIP) -c $(LOCK) -e "$(1)" && $(BIN)/python requirements/check_lock.py $(LOCK)
 
-.PHONY: test lint unit venv clean demo
+.PHONY: test lint unit venv clean demo lock
 
-venv: $(STAMP)
+venv: $(VENV)/.test
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[dev,ray]"  # ray: the Ray backend's tests
-	touch $(STAMP)
+# The suite's environment: the dev extras (pytest, ruff, `vcpo serve`'s server, pyarrow) and Ray for its backend's tests.
+$(VENV)/.test: pyproject.toml $(LOCK)
+	$(call INSTALL,.[dev,ray])
+	touch $@
 
-lint: $(STAMP)
+# The demo's environment: the package alone.
+$(VENV)/.demo: pyproject.toml $(LOCK)
+	$(call INSTALL,.)
+	touch $@
+
+lint: $(VENV)/.test
 	$(BIN)/ruff check .
 
-unit: $(STAMP)
+unit: $(VENV)/.test
 	$(BIN)/pytest
 
 test: lint unit
 
 # The main job: warm-start the embedded model by SFT (cached in .cache/vcpo), train it with
 # asynchronous VCPO, print held-out accuracy before and after, and write the plots.
-demo: $(STAMP)
+demo: $(VENV)/.demo
 	rm -rf runs/quickstart  # each demo is a fresh run; the SFT warm start stays cached
 	HF_HUB_OFFLINE=1 $(BIN)/vcpo train -c configs/quickstart.yaml run_dir=runs/quickstart
 	$(BIN)/vcpo plot runs/quickstart
+
+# Re-resolve requirements/lock.txt from pyproject.toml (every extra), against the CPU build of torch.
+lock:
+	rm -rf .lockenv && $(PYTHON) -m venv .lockenv && .lockenv/bin/pip install --quiet pip-tools==7.6.2
+	.lockenv/bin/pip-compile --quiet --strip-extras --no-emit-index-url --no-emit-find-links --find-links /opt/wheels \
+		-c requirements/torch.txt --unsafe-package torch --extra dev --extra ray --extra serve --extra parquet \
+		--extra tensorboard -o $(LOCK) pyproject.toml
+	rm -rf .lockenv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
