@@ -1,4 +1,5 @@
-"""The ``vcpo`` command line: sft, train, eval, plot, sweep, rerun, report, serve. Each error is one line on stderr.
+"""The ``vcpo`` command line: sft, train, eval, plot, config, sweep, rerun, report, serve. Each error is one line
+on stderr.
 
 Exit status: 0 done; 2 a user error (bad config, path or disk), found before any heavy import where it can
 be; 1 a run that started and could not go on; 128 + signal when SIGTERM (143) or SIGINT (130) stopped it.
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
     from vcpo.train.signals import StopSignals
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
-Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.lr=1e-4 async.mode=sync")]
+Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.lr=1e-4 async.mode=sync "
+                                                       "(every key: `vcpo config show`).")]
 
 
 def _fail(exc: BaseException, code: int = 2) -> None:
@@ -191,6 +193,46 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory holding m
         console.print("wrote " + ", ".join(str(p) for p in paths))
     except UserError as exc:
         _fail(exc)
+
+
+config_app = typer.Typer(help="The config keys: values, defaults and descriptions.", no_args_is_help=True,
+                         rich_markup_mode=None)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt = None, overrides: Overrides = None) -> None:
+    """Print every config key with its value, default and description: `vcpo config show [-c CONFIG] [key=value ...]`.
+
+    Without -c: the built-in defaults (which are configs/quickstart.yaml's values).
+    """
+    from vcpo.errors import UserError
+
+    try:
+        from vcpo.config_reference import show
+
+        cfg = _load(config, overrides)
+        source = " ".join([str(config) if config else "built-in defaults", *(overrides or [])])
+        sys.stdout.write(show(cfg, source))
+    except UserError as exc:
+        _fail(exc)
+
+
+@config_app.command("docs")
+def config_docs(
+    out: Annotated[Path, typer.Option("--out", help="The Markdown file whose generated table to rewrite.")]
+    = Path("docs/config.md"),
+) -> None:
+    """Regenerate the key reference in docs/config.md from the config models (a test fails when it is stale)."""
+    from vcpo.config_reference import write_docs
+
+    if not out.is_file():
+        _fail(FileNotFoundError(f"--out {str(out)!r} does not exist (run from the repository root)"))
+    try:
+        changed = write_docs(out)
+    except ValueError as exc:
+        _fail(exc)
+    console.print(f"{'updated' if changed else 'already current:'} {out}")
 
 
 def _int_list(option: str, text: str | None) -> list[int] | None:
