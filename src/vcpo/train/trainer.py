@@ -262,7 +262,7 @@ class _Job:
         """Greedy accuracy; the whole evaluation (with ``eval/mean@N``, ``eval/pass@N`` when trainer.eval_samples
         is N > 0) is kept in ``eval_metrics`` for the step's metrics line."""
         self.eval_metrics = evaluate_policy(self.learner.model, self.tokenizer, self.task, self.eval_problems,
-                                            self.eval_settings)
+                                            self.eval_settings) | {"eval/problems": len(self.eval_problems)}
         return self.eval_metrics["eval/accuracy"]
 
     def run(self, model_path: Path) -> dict[str, Any]:
