@@ -346,7 +346,7 @@ class Config(_Strict):
     """The run's seed: torch's RNG, the training problem stream, the held-out problems, rollout sampling, and the
     warm start unless sft.seed is set."""
     run_dir: str = "runs/quickstart"
-    """Where the run writes config.yaml, metrics.jsonl, checkpoints/, plots/ and summary.json."""
+    """Where the run writes config.yaml, metrics.jsonl, checkpoints/ and summary.json (`vcpo plot` adds plots/)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
