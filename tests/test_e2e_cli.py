@@ -7,11 +7,12 @@ bad config key or value exits non-zero with one line naming it.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import LAGGED, metrics, vcpo
+from conftest import LAGGED, ROOT, metrics, vcpo
 
 REQUIRED_KEYS = {"step", "reward/mean", "ess/ratio", "grad_norm", "lr", "staleness/max", "staleness/mean",
                  "time/step_s"}
@@ -119,3 +120,23 @@ def test_missing_model_path_is_one_clear_error(tmp_path):
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "nope" in lines[0], proc.stderr
+
+
+def test_eval_of_a_run_uses_its_config_and_writes_next_to_the_model(tmp_path, lagged_full):
+    """`vcpo eval RUN` (its latest checkpoint) or `vcpo eval CHECKPOINT`: the run's own config.yaml, so its
+    task.eval_size (16 in the tiny runs), not the built-in 500; eval.json lands in the directory named, never in the
+    current one (issue 23 items 6 and 7)."""
+    run = Path(shutil.copytree(lagged_full, tmp_path / "run"))
+    in_cwd = ROOT / "eval.json"
+    existed = in_cwd.exists()
+    proc = vcpo("eval", str(run), "--samples", "0")
+    assert "the run's own" in proc.stderr and str(run / "config.yaml") in proc.stderr
+    report = json.loads((run / "eval.json").read_text())
+    assert report["model"] == str(run / "checkpoints" / "step_000004")
+    assert report["datasets"]["chain_sum"]["problems"] == 16
+    ckpt = run / "checkpoints" / "step_000002"
+    vcpo("eval", str(ckpt), "--samples", "0", "task.eval_size=5")  # overrides apply on top of the run's config
+    assert json.loads((ckpt / "eval.json").read_text())["datasets"]["chain_sum"]["problems"] == 5
+    out = tmp_path / "elsewhere" / "report.json"
+    vcpo("eval", str(ckpt), "--samples", "0", "--out", str(out))
+    assert out.is_file() and in_cwd.exists() == existed

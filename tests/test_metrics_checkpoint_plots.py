@@ -251,3 +251,54 @@ def test_eval_series_starts_at_the_warm_start():
     records = [{"step": 1, "eval/accuracy_initial": 0.3}, {"step": 2, "eval/accuracy": 0.4}]
     assert _series(records, "eval/accuracy") == ([0, 2], [0.3, 0.4])
     assert _series(records, "reward/mean") == ([], [])
+
+
+def test_moving_average_and_binomial_band_by_hand():
+    from vcpo.plots import binomial_band, ema, smoothing_span
+
+    # span 3: a = 2 / 4 = 0.5; bias-corrected: 0/0.5 -> 0.0; (0.5*0 + 0.5*4) / (0.5*0.5 + 0.5) = 2 / 0.75
+    assert ema([0.0, 4.0], 3) == pytest.approx([0.0, 8 / 3])
+    assert ema([1.0, 100.0], 3, log=True) == pytest.approx([1.0, 100 ** (0.5 / 0.75)])  # geometric, for log axes
+    assert ema([5.0] * 4, 7) == pytest.approx([5.0] * 4)
+    assert [smoothing_span(n) for n in (10, 29, 30, 120, 300, 5000)] == [1, 1, 3, 10, 25, 25]
+    # p = 0.5, n = 100: 1.96 * sqrt(0.25 / 100) = 0.098
+    assert binomial_band(0.5, 100) == pytest.approx((0.402, 0.598))
+    assert binomial_band(0.99, 4) == pytest.approx((0.99 - 1.96 * (0.0099 / 4) ** 0.5, 1.0))  # cut at 1
+
+
+def test_panels_have_units_raw_faint_under_the_average_and_the_eval_band(tmp_path):
+    from matplotlib.figure import Figure
+
+    from vcpo.plots import PANELS, _draw, _series, eval_problems
+
+    records = [{"step": s, "reward/mean": (s % 7) / 7, "eval/accuracy": 0.5 if s % 10 == 0 else None,
+                "eval/problems": 100 if s % 10 == 0 else None} for s in range(1, 61)]
+    assert eval_problems(records, tmp_path) == 100
+    (tmp_path / "config.yaml").write_text("task: {eval_size: 40}\n")
+    assert eval_problems(records[:5], tmp_path) == 40  # older runs: the saved config's task.eval_size
+    by_name = {p.filename: p for p in PANELS}
+    assert all(p.ylabel for p in PANELS)
+
+    ax = Figure().add_subplot()
+    reward = by_name["reward.png"]
+    _draw(ax, reward, {line: _series(records, line.key) for line in reward.lines}, 100)
+    raw, smooth = ax.get_lines()
+    assert raw.get_alpha() == 0.25 and smooth.get_alpha() is None and len(smooth.get_xdata()) == 60
+    assert ax.get_xlabel() == "optimizer step" and ax.get_ylabel() == "mean reward per completion"
+
+    ax = Figure().add_subplot()
+    acc = by_name["eval_accuracy.png"]
+    _draw(ax, acc, {line: _series(records, line.key) for line in acc.lines}, 100)
+    assert "95% binomial band (n = 100)" in ax.get_legend_handles_labels()[1]
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]
+    assert band.min() == pytest.approx(0.402) and band.max() == pytest.approx(0.598)
+
+
+def test_staleness_lines_that_coincide_stay_distinguishable():
+    from vcpo.plots import PANELS
+
+    staleness = next(p for p in PANELS if p.filename == "staleness.png")
+    styles = [(line.width, line.dash) for line in staleness.lines]
+    assert len(set(styles)) == len(styles)
+    ess = next(p for p in PANELS if p.filename == "ess_ratio.png")
+    assert len({(line.width, line.dash) for line in ess.lines}) == 2

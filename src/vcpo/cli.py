@@ -1,4 +1,5 @@
-"""The ``vcpo`` command line: sft, train, eval, plot, sweep, rerun, report, serve. Each error is one line on stderr.
+"""The ``vcpo`` command line: sft, train, eval, plot, config, sweep, rerun, report, serve. Each error is one line
+on stderr.
 
 Exit status: 0 done; 2 a user error (bad config, path or disk), found before any heavy import where it can
 be; 1 a run that started and could not go on; 128 + signal when SIGTERM (143) or SIGINT (130) stopped it.
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
     from vcpo.train.signals import StopSignals
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
-Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.lr=1e-4 async.mode=sync")]
+Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.lr=1e-4 async.mode=sync "
+                                                       "(every key: `vcpo config show`).")]
 
 
 def _fail(exc: BaseException, code: int = 2) -> None:
@@ -143,7 +145,8 @@ def _train(config: Path | None, overrides: list[str] | None, resume: Path | None
 
 @app.command("eval")
 def evaluate(
-    model_path: Annotated[Path, typer.Argument(help="A Hugging Face model directory (e.g. a checkpoint).")],
+    model_path: Annotated[Path, typer.Argument(help="A Hugging Face model directory, a run's checkpoint, or a run "
+                                               "directory (its latest checkpoint).")],
     config: ConfigOpt = None,
     overrides: Overrides = None,
     samples: Annotated[int, typer.Option("--samples", min=0, help="Samples per problem for mean@N and pass@N "
@@ -152,19 +155,30 @@ def evaluate(
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus mass of the N samples.")] = 0.7,
     dataset: Annotated[list[Path] | None, typer.Option("--dataset", help="A JSONL/Parquet file to evaluate on, "
                                                        "all of it (repeatable); default: the config's task.")] = None,
-    out: Annotated[Path, typer.Option("--out", help="Where to write the JSON report.")] = Path("eval.json"),
+    out: Annotated[Path | None, typer.Option("--out", help="Where to write the JSON report (default: eval.json in "
+                                             "MODEL_PATH).")] = None,
 ) -> None:
-    """Greedy accuracy, mean@N and pass@N (unbiased estimator) of a model per dataset: JSON file and table."""
+    """Greedy accuracy, mean@N and pass@N (unbiased estimator) of a model per dataset: JSON file and table.
+
+    A checkpoint or run directory is evaluated with its run's config.yaml (task, eval_size, prompts, max_new_tokens)
+    unless -c names another; overrides apply on top. Other model directories get the built-in defaults.
+    """
     from vcpo.errors import UserError
 
     try:
         from vcpo.config import ConfigError
         from vcpo.models.files import check_model_dir
+        from vcpo.train.run_dir import eval_target
 
         if not temperature > 0 or not 0 < top_p <= 1:
             raise ConfigError(f"--temperature must be > 0 and --top-p in (0, 1], got {temperature} and {top_p}")
-        cfg = _load(config, overrides)
-        check_model_dir(model_path)
+        checkpoint, run_config = eval_target(model_path)
+        cfg = _load(config or run_config, overrides)
+        console.print(f"config: {config or run_config or 'built-in defaults'}"
+                      + (" (the run's own; -c to use another)" if config is None and run_config else ""),
+                      markup=False, highlight=False)
+        check_model_dir(checkpoint)
+        out = out if out is not None else model_path / "eval.json"
         for path in dataset or []:
             if not path.is_file():
                 raise ConfigError(f"--dataset {str(path)!r} is not a file")
@@ -174,7 +188,7 @@ def evaluate(
 
         settings = EvalSettings(cfg.rollout.max_new_tokens, samples, temperature, top_p, seed=cfg.seed,
                                 lm_head_fp32=cfg.model.lm_head_fp32)
-        write_report(run_eval(cfg, model_path, dataset or [], settings), out, Console())
+        write_report(run_eval(cfg, checkpoint, dataset or [], settings), out, Console())
     except UserError as exc:
         _fail(exc)
 
@@ -191,6 +205,46 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory holding m
         console.print("wrote " + ", ".join(str(p) for p in paths))
     except UserError as exc:
         _fail(exc)
+
+
+config_app = typer.Typer(help="The config keys: values, defaults and descriptions.", no_args_is_help=True,
+                         rich_markup_mode=None)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt = None, overrides: Overrides = None) -> None:
+    """Print every config key with its value, default and description: `vcpo config show [-c CONFIG] [key=value ...]`.
+
+    Without -c: the built-in defaults (which are configs/quickstart.yaml's values).
+    """
+    from vcpo.errors import UserError
+
+    try:
+        from vcpo.config_reference import show
+
+        cfg = _load(config, overrides)
+        source = " ".join([str(config) if config else "built-in defaults", *(overrides or [])])
+        sys.stdout.write(show(cfg, source))
+    except UserError as exc:
+        _fail(exc)
+
+
+@config_app.command("docs")
+def config_docs(
+    out: Annotated[Path, typer.Option("--out", help="The Markdown file whose generated table to rewrite.")]
+    = Path("docs/config.md"),
+) -> None:
+    """Regenerate the key reference in docs/config.md from the config models (a test fails when it is stale)."""
+    from vcpo.config_reference import write_docs
+
+    if not out.is_file():
+        _fail(FileNotFoundError(f"--out {str(out)!r} does not exist (run from the repository root)"))
+    try:
+        changed = write_docs(out)
+    except ValueError as exc:
+        _fail(exc)
+    console.print(f"{'updated' if changed else 'already current:'} {out}")
 
 
 def _int_list(option: str, text: str | None) -> list[int] | None:

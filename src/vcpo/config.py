@@ -24,10 +24,13 @@ class ConfigError(UserError, ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # use_attribute_docstrings: the string under each field is its description (`vcpo config show`, docs/config.md).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class ModelConfig(_Strict):
+    """The policy model: which weights, in which dtype, on which device."""
+
     path: str | None = None
     """A local Hugging Face model directory; None = the embedded default, warm-started by SFT."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
@@ -47,14 +50,17 @@ class ModelConfig(_Strict):
 
 
 class TaskConfig(_Strict):
+    """What the policy learns to solve: the problems, their prompts, their rewards."""
+
     name: str = "chain_sum"
     """A reasoning-gym dataset name, ``jsonl`` / ``parquet`` for a local dataset file (docs/datasets.md), or
     ``tools:<dataset>`` for its multi-turn tool task (docs/tools.md)."""
     kwargs: dict[str, Any] = Field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
     )
-    """Passed to the reasoning-gym dataset config (e.g. digit counts); for ``jsonl`` / ``parquet``: ``path`` (or
-    ``train_path`` and ``eval_path``), ``prompt_field``, ``answer_field``, ``answer_format``, ``eval_fraction``."""
+    """The task's own settings (the default is chain_sum's; another task named without kwargs gets none): the
+    reasoning-gym dataset config (e.g. digit counts); for ``jsonl`` / ``parquet``: ``path`` (or ``train_path`` and
+    ``eval_path``), ``prompt_field``, ``answer_field``, ``answer_format``, ``eval_fraction``."""
     prompt_format: Literal["raw", "chat"] = "raw"
     """``raw``: the prompt text as is; ``chat``: the tokenizer's chat template (an error when it has none)."""
     system_prompt: str | None = None
@@ -65,13 +71,21 @@ class TaskConfig(_Strict):
     reward: Literal["native", "math", "auto"] = "native"
     """reasoning-gym tasks: ``native`` = the dataset's own scorer, ``math`` = math-verify on the reference answer,
     ``auto`` = math when every one of 64 sampled answers is a number. Dataset files are always scored by math."""
-    eval_size: int = Field(200, gt=0)
+    eval_size: int = Field(500, gt=0)
     """Held-out problems for ``eval/accuracy`` (a separate seed from the training stream)."""
     reward_timeout_s: float = Field(5.0, gt=0, le=3600)
     """Wall-clock limit per scored completion; past it the sandboxed scorer is killed and the reward is 0."""
     reward_workers: int = Field(1, gt=0, le=64)
     """Sandboxed scoring processes per process that scores (the trainer; each async rollout worker). Each
     costs a second or more of CPU to import its scorer's libraries; more help when scoring is slow."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kwargs_of_the_default_task(cls, data: Any) -> Any:
+        """The default kwargs are chain_sum's: another task named without kwargs gets none."""
+        if isinstance(data, dict) and "kwargs" not in data and data.get("name", "chain_sum") != "chain_sum":
+            return {**data, "kwargs": {}}
+        return data
 
     @model_validator(mode="after")
     def _dataset_files(self) -> TaskConfig:
@@ -83,9 +97,14 @@ class TaskConfig(_Strict):
 
 
 class SFTConfig(_Strict):
+    """The supervised warm start of the embedded default model (model.path: null); unused with a model.path."""
+
     steps: int = Field(400, ge=0)
+    """Optimizer steps of teacher-forced fine-tuning on solved training problems."""
     batch_size: int = Field(64, gt=0)
+    """Problems per SFT step."""
     lr: float = Field(2e-3, gt=0)
+    """AdamW learning rate, warmed up linearly over the first 5% of steps, then constant."""
     seed: int | None = None
     """The warm start's seed (model initialisation, SFT data, its own accuracy check); None = the run's ``seed``.
     Set it to cross warm starts with RL seeds (the staleness study's 2 warm starts x 4 seeds)."""
@@ -99,6 +118,7 @@ class ServerConfig(_Strict):
     urls: list[str] = Field(default_factory=list)
     """Base URLs, e.g. ``http://127.0.0.1:8000``; prompts are spread over the servers that answer."""
     kind: Literal["vcpo", "vllm", "sglang"] = "vcpo"
+    """What the servers are: ``vcpo serve``, vLLM or SGLang (each has its own weight-update call)."""
     model: str | None = None
     """The served model name sent with each request (vLLM's ``model``); None = none sent."""
     weights_dir: str | None = None
@@ -106,6 +126,7 @@ class ServerConfig(_Strict):
     keep_weights: int = Field(2, gt=0)
     """Version directories kept in weights_dir (older ones are removed)."""
     connect_timeout_s: float = Field(5.0, gt=0)
+    """Limit on opening a connection to a server."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Per generation call (a call waits while its server is paused for an update)."""
     control_timeout_s: float = Field(120.0, gt=0)
@@ -125,18 +146,29 @@ class ServerConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
+    """Sampling the training trajectories."""
+
     prompts_per_step: int = Field(16, gt=0)
+    """Problems (GRPO groups) sampled per optimizer step."""
     group_size: int = Field(8, gt=0)
+    """Completions sampled per problem; advantages compare the completions of one group."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the training completions."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass of the training completions (1 = the full distribution)."""
     max_new_tokens: int = Field(8, gt=0)
+    """Longest completion in tokens (per model turn for a multi-turn tool task); also used by every evaluation."""
     engine: Literal["hf", "server"] = "hf"
     """``hf``: in-process Hugging Face generation; ``server``: the inference servers of ``rollout.server``."""
     server: ServerConfig = Field(default_factory=ServerConfig)
 
 
 class ObjectiveConfig(_Strict):
+    """The policy-gradient loss (docs/objectives.md)."""
+
     name: str = "vcpo"
+    """A registered objective: reinforce, ppo_clip (grpo), gspo, gspo_token, gmpo, sapo, cispo, tis, mis, icepop,
+    m2po, vespo, bapo, topr, tb, vcpo."""
     loss_agg: str | None = None
     """One of the four modes of ALGORITHMS.md §1; None = the objective's own default."""
     max_len: int | None = Field(None, gt=0)
@@ -153,27 +185,44 @@ class ObjectiveConfig(_Strict):
 
 
 class AdvantageConfig(_Strict):
+    """How each completion's advantage is computed from the rewards of its group (docs/variance.md)."""
+
     estimator: Literal["grpo", "dr_grpo", "rloo", "opo", "opob"] = "opob"
+    """``grpo`` (R - mean) / std; ``dr_grpo`` R - mean; ``rloo`` leave-one-out mean; ``opo`` length-weighted
+    baseline; ``opob`` VCPO's baseline weighted by importance weight squared times gradient norm squared."""
     opob_weighting: Literal["paper", "authors_code"] = "paper"
+    """OPOB's weights: ``paper`` W^2 G; ``authors_code`` W^2 min(W, cap)^2 G, as the authors' released code."""
     grad_norm_method: Literal["exact", "fast"] = "fast"
     """How OPOB gets per-trajectory gradient norms: "fast" (one batched backward, ghost norms) or
     "exact" (one backward per row, the reference)."""
 
 
 class ESSLRConfig(_Strict):
+    """The ESS-scaled learning rate (VCPO §8.2): each step's lr is trainer.lr times a scale of the ESS ratio rho."""
+
     enabled: bool = True
+    """Scale the learning rate by the ESS ratio; false = trainer.lr at every step."""
     rule: Literal["sqrt", "linear"] = "sqrt"
+    """The scale: ``sqrt`` sqrt(min(1, rho / reference)), ``linear`` min(1, rho / reference)."""
     reference: float = Field(1.0, gt=0)
+    """The ESS ratio at and above which the full trainer.lr applies (the paper uses 0.55 for tool use)."""
 
 
 class TrainerConfig(_Strict):
-    max_steps: int = Field(60, gt=0)
+    """The RL optimisation loop: steps, optimizer, evaluations, checkpoints."""
+
+    max_steps: int = Field(200, gt=0)
+    """Optimizer steps of the run (a resumed run continues up to it)."""
     lr: float = Field(1e-4, gt=0)
+    """AdamW learning rate (before the ESS scale)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's moment decay rates (beta1, beta2)."""
     grad_clip: float = Field(1.0, gt=0)
+    """Largest L2 norm of the whole gradient; larger ones are scaled down to it."""
     ess_lr: ESSLRConfig = Field(default_factory=ESSLRConfig)
-    eval_every: int = Field(10, ge=0)
+    eval_every: int = Field(20, ge=0)
     """Steps between held-out evaluations (0 = only at the start and the end)."""
     eval_samples: int = Field(0, ge=0)
     """Samples per held-out problem at each evaluation, logged as ``eval/mean@N`` and ``eval/pass@N`` beside the
@@ -181,7 +230,9 @@ class TrainerConfig(_Strict):
     eval_temperature: float = Field(0.8, gt=0)
     """The temperature of those samples (0.8 and top-p 0.7: the settings reasoning papers report at)."""
     eval_top_p: float = Field(0.7, gt=0, le=1)
-    checkpoint_every: int = Field(10, ge=0)
+    """The nucleus mass of those samples."""
+    checkpoint_every: int = Field(50, ge=0)
+    """Steps between checkpoints (0 = only at the end); a run always checkpoints its last step."""
     max_skipped_steps: int = Field(3, ge=1)
     """The run stops (with a checkpoint) after this many consecutive steps skipped as non-finite
     (gradient, loss, ESS or a sampled log-prob)."""
@@ -202,6 +253,7 @@ class ReplayConfig(_Strict):
     """TBA's replay buffer (vcpo/orchestration/replay.py), in units of whole GRPO groups."""
 
     enabled: bool = False
+    """Keep groups after training on them and mix replayed ones into later steps (TBA); false = no buffer."""
     capacity: int = Field(64, gt=0)
     """Groups kept at most; beyond it the oldest (by policy version) are evicted."""
     recent_fraction: float = Field(0.5, ge=0, le=1)
@@ -219,14 +271,19 @@ class ReplayConfig(_Strict):
 
 
 class AsyncConfig(_Strict):
+    """Where the training trajectories come from in time: how stale a policy may have sampled them."""
+
     mode: Literal["sync", "lagged", "async"] = "async"
+    """``sync``: sampled by the current policy; ``lagged``: always exactly max_staleness steps behind (a controlled
+    lag for studies); ``async``: rollout workers run beside the learner, at most max_staleness steps behind."""
     max_staleness: int = Field(2, ge=0)
     """k: the largest allowed policy lag of any token, in optimizer steps."""
     drop_older_than: float | None = Field(None, ge=0)
     """ROLL-Flash alpha: drop samples created more than alpha steps behind the trainer."""
-    inflight_updates: bool = False
+    inflight_updates: bool = True
     """Apply new weights between decode steps, so one response may span versions."""
     num_workers: int = Field(1, gt=0)
+    """Rollout worker processes (or Ray actors) in async mode."""
     max_worker_restarts: int = Field(3, ge=0)
     """A rollout worker that dies is restarted (its groups re-issued) this many times in all, then the run stops."""
     handoff_timeout_s: float = Field(300.0, gt=0)
@@ -253,28 +310,43 @@ class RayConfig(_Strict):
     max_restarts: int = Field(2, ge=0)
     """Times Ray restarts a dead rollout actor (its in-flight groups are re-issued); learners are not restarted."""
     worker_num_cpus: float = Field(1.0, ge=0)
+    """CPUs Ray reserves for each rollout actor."""
     worker_num_gpus: float = Field(0.0, ge=0)
+    """GPUs (or a fraction of one) Ray reserves for each rollout actor."""
     learner_num_cpus: float = Field(1.0, ge=0)
+    """CPUs Ray reserves for each learner rank."""
     learner_num_gpus: float = Field(0.0, ge=0)
+    """GPUs (or a fraction of one) Ray reserves for each learner rank."""
     weight_sync: Literal["object_store", "broadcast"] = "object_store"
     """How new weights reach in-process rollout actors: fetched from the object store, or broadcast by learner rank 0
     in a process group of its own (NCCL on GPUs, gloo on CPU; the object store stays the fallback)."""
 
 
 class RuntimeConfig(_Strict):
+    """Process settings."""
+
     torch_threads: int = Field(1, gt=0)
     """Intra-op threads per process. One is fastest for the tiny default model on a shared 2-core
     machine (measured 3-5x faster per step than 2), and async mode runs two processes."""
 
 
 class LoggingConfig(_Strict):
+    """What a run reports beside metrics.jsonl (always written)."""
+
     tensorboard: bool = False
+    """Also write the metrics as TensorBoard events under {run_dir}/tensorboard (needs the tensorboard extra)."""
     progress: bool = True
+    """Show a progress bar and warm-start messages on the terminal."""
 
 
 class Config(_Strict):
+    """A run: every key has a default, and the defaults are configs/quickstart.yaml (the README's main command)."""
+
     seed: int = 0
+    """The run's seed: torch's RNG, the training problem stream, the held-out problems, rollout sampling, and the
+    warm start unless sft.seed is set."""
     run_dir: str = "runs/quickstart"
+    """Where the run writes config.yaml, metrics.jsonl, checkpoints/ and summary.json (`vcpo plot` adds plots/)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
@@ -287,7 +359,8 @@ class Config(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True,
+                              use_attribute_docstrings=True)
 
     @model_validator(mode="after")
     def _objective_hyperparameters(self) -> Config:
@@ -358,7 +431,35 @@ class Config(_Strict):
         return self.model_dump(mode="json", by_alias=True)
 
 
+KWARGS_OF_NAME = {"task.name": "task.kwargs", "objective.name": "objective.kwargs"}
+"""Keys whose ``kwargs`` belong to the named thing: an override that changes the name drops the file's kwargs."""
+
+
+def _section_of(dotted: str) -> type[BaseModel] | None:
+    """The model class of a config section (``trainer``, ``trainer.ess_lr``), None for a leaf or an unknown key."""
+    model: type[BaseModel] | None = Config
+    for key in dotted.split("."):
+        fields = {f.alias or name: f for name, f in model.model_fields.items()} if model else {}
+        field = fields.get(key)
+        annotation = field.annotation if field is not None else None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        if model is None:
+            return None
+    return model
+
+
+def _merge(into: dict[str, Any], value: dict[str, Any], dotted: str) -> None:
+    """Deep-merge ``value`` into a section, replacing leaves; a dict-typed leaf (``kwargs``) is replaced whole."""
+    for key, item in value.items():
+        if isinstance(item, dict) and _section_of(f"{dotted}.{key}") is not None and isinstance(into.get(key), dict):
+            _merge(into[key], item, f"{dotted}.{key}")
+        else:
+            into[key] = item
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set one override: a leaf (a dict-typed one such as ``task.kwargs`` too) is replaced; a mapping given for a
+    section (``trainer={lr: 1e-3}``) is merged into what the file set there."""
     keys = dotted.split(".")
     node = tree
     for i, key in enumerate(keys[:-1]):
@@ -366,7 +467,39 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {dotted!r}: {'.'.join(keys[: i + 1])} is not a section")
         node = child
-    node[keys[-1]] = value
+    if isinstance(value, dict) and isinstance(node.get(keys[-1]), dict) and _section_of(dotted) is not None:
+        _merge(node[keys[-1]], value, dotted)
+    else:
+        node[keys[-1]] = value
+
+
+def _get_dotted(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> None:
+    """Apply dotted overrides to a config tree read from a file, in place.
+
+    ``task.name`` or ``objective.name`` set to another name than the file's (or the default's) first drops the
+    file's ``task.kwargs`` / ``objective.kwargs``: they were written for the old task or objective. Kwargs given as
+    overrides (``task.kwargs.path=...``) apply after that, whatever their order on the command line.
+    """
+    parsed = parse_overrides(overrides)
+    for name_key, kwargs_key in KWARGS_OF_NAME.items():
+        section, field = name_key.split(".")
+        names = [value for key, value in parsed if key == name_key]
+        current = _get_dotted(tree, name_key)
+        if current is None:
+            current = _section_of(section).model_fields[field].default
+        if names and names[-1] != current and isinstance(tree.get(section), dict):
+            tree[section].pop(kwargs_key.split(".")[1], None)
+    for key, value in parsed:
+        _set_dotted(tree, key, value)
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
@@ -418,8 +551,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file {str(p)!r} cannot be read: {exc}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
-    for key, value in parse_overrides(overrides or []):
-        _set_dotted(tree, key, value)
+    apply_overrides(tree, overrides or [])
     return config_from_dict(tree)
 
 

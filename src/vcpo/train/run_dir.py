@@ -54,6 +54,24 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return candidates[0] if candidates else None
 
 
+def eval_target(path: Path) -> tuple[Path, Path | None]:
+    """What ``vcpo eval PATH`` evaluates, and with which run's config: (model directory, that run's config.yaml).
+
+    A run directory means its latest complete checkpoint; a checkpoint (``RUN/checkpoints/step_N``) brings its run's
+    config.yaml; any other model directory has no run (None).
+    """
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file() and (path / "checkpoints").is_dir():
+        checkpoint = latest_checkpoint(path)
+        if checkpoint is None:
+            raise ConfigError(f"run directory {str(path)!r} has no complete checkpoint to evaluate")
+        return checkpoint, path / CONFIG_FILE
+    run = path.parent.parent
+    if STEP_DIR.match(path.name) and path.parent.name == "checkpoints" and (run / CONFIG_FILE).is_file():
+        return path, run / CONFIG_FILE
+    return path, None
+
+
 def check_writable(path: Path, key: str) -> None:
     """``DiskError`` naming ``key`` unless a file can be created in ``path`` (or in its nearest existing parent)."""
     probe = Path(path).absolute()

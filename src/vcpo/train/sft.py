@@ -80,6 +80,10 @@ def warm_start(config: Config) -> Path:
         say(f"[green]sft[/green] reusing warm-started model {final}")
         return final
     task = make_task(config.task)
+    sc = config.sft
+    say(f"[green]sft[/green] warm start (first run with these settings only): building the embedded default model and "
+        f"fine-tuning it on {config.task.name}, {sc.steps} steps of {sc.batch_size} problems, then a greedy check on "
+        f"{config.task.eval_size} held-out problems; cached in {final}. Each step's time and the time left follow.")
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{final.name}-tmp-"))
     try:
@@ -109,8 +113,12 @@ def _build_and_train(config: Config, task: Task, out_dir: Path, say: Any) -> dic
                        demonstration=demonstration)
     train_s = time.perf_counter() - start
     eval_problems = task.problems("eval", config.task.eval_size, seed)
+    say(f"[green]sft[/green] trained in {train_s:.1f}s; checking greedy accuracy on {len(eval_problems)} held-out "
+        f"problems")
+    start = time.perf_counter()
     accuracy = evaluate_accuracy(model, tokenizer, task, eval_problems, config.rollout.max_new_tokens)
-    say(f"[green]sft[/green] {train_s:.1f}s, greedy accuracy {accuracy:.3f} on {len(eval_problems)} eval problems")
+    say(f"[green]sft[/green] greedy accuracy {accuracy:.3f} on {len(eval_problems)} eval problems "
+        f"({time.perf_counter() - start:.1f}s)")
     model.save_pretrained(out_dir, safe_serialization=True)
     # The recipe, so a pinned copy of this directory says what built it (and `vcpo sweep` can check the task).
     return {"eval_accuracy": accuracy, "eval_size": len(eval_problems), "train_s": round(train_s, 2),
@@ -163,7 +171,10 @@ def train_sft(
         scheduler.step()
         losses.append(loss.item())
         if (step + 1) % report_every == 0 or step + 1 == steps:
-            say(f"sft step {step + 1}/{steps}  loss {losses[-1]:.4f}  {time.perf_counter() - start:.1f}s")
+            elapsed_s = time.perf_counter() - start
+            left_s = elapsed_s / (step + 1) * (steps - step - 1)
+            say(f"sft step {step + 1}/{steps}  loss {losses[-1]:.4f}  {elapsed_s:.1f}s"
+                + (f", about {left_s:.0f}s left" if step + 1 < steps else ""))
     model.eval()
     return losses
 

@@ -262,15 +262,21 @@ class _Job:
         """Greedy accuracy; the whole evaluation (with ``eval/mean@N``, ``eval/pass@N`` when trainer.eval_samples
         is N > 0) is kept in ``eval_metrics`` for the step's metrics line."""
         self.eval_metrics = evaluate_policy(self.learner.model, self.tokenizer, self.task, self.eval_problems,
-                                            self.eval_settings)
+                                            self.eval_settings) | {"eval/problems": len(self.eval_problems)}
         return self.eval_metrics["eval/accuracy"]
 
     def run(self, model_path: Path) -> dict[str, Any]:
         try:
             if self.initial_accuracy is None:
+                say(f"evaluating the starting model on {len(self.eval_problems)} held-out problems before step 1")
+                t0 = time.perf_counter()
                 with self.signals.interruptible():
                     self.initial_accuracy = self.last_accuracy = self.evaluate()
-                say(f"held-out accuracy before RL: {self.initial_accuracy:.3f}")
+                say(f"held-out accuracy before RL: {self.initial_accuracy:.3f} ({time.perf_counter() - t0:.1f}s)")
+            if self.config.async_.mode == "async" and self.learner.version == 0:
+                n = self.config.async_.num_workers
+                say(f"starting {n} rollout worker{'s' if n > 1 else ''}: each loads the model and the task's scorer "
+                    f"before step 1's first batch (seconds to a minute on a CPU)")
             self.source = make_source(self.config, self.learner, self.tokenizer, self.task, model_path, self.backend)
             if "source" in self.state:
                 self.source.load_state(self.state["source"])
