@@ -170,7 +170,7 @@ class ObjectiveConfig(_Strict):
     """A registered objective: reinforce, ppo_clip (grpo), gspo, gspo_token, gmpo, sapo, cispo, tis, mis, icepop,
     m2po, vespo, bapo, topr, tb, vcpo."""
     loss_agg: str | None = None
-    """One of the four modes of ALGORITHMS.md §1; None = the objective's own default."""
+    """How the per-token losses are averaged: token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm (docs/objectives.md); None = the objective's own default."""
     max_len: int | None = Field(None, gt=0)
     """The constant length of ``loss_agg: seq-mean-token-sum-norm`` (Dr. GRPO), required by it, used by no other."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
