@@ -10,13 +10,15 @@ PIP := $(BIN)/pip install --quiet --disable-pip-version-check
 INSTALL = test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
 	$(PIP) -c $(LOCK) torch==2.13.0 && $(PIP) -c $(LOCK) -e "$(1)" && $(BIN)/python requirements/check_lock.py $(LOCK)
 
+comma := ,
+
 .PHONY: test lint unit venv clean demo lock
 
 venv: $(VENV)/.test
 
 # The suite's environment: the dev extras (pytest, ruff, `vcpo serve`'s server, pyarrow) and Ray for its backend's tests.
 $(VENV)/.test: pyproject.toml $(LOCK)
-	$(call INSTALL,.[dev,ray])
+	$(call INSTALL,.[dev$(comma)ray])
 	touch $@
 
 # The demo's environment: the package alone.
