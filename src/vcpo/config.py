@@ -155,6 +155,9 @@ class ObjectiveConfig(_Strict):
 class AdvantageConfig(_Strict):
     estimator: Literal["grpo", "dr_grpo", "rloo", "opo", "opob"] = "opob"
     opob_weighting: Literal["paper", "authors_code"] = "paper"
+    opob_variant: Literal["plugin", "leave_one_out", "grad_only"] = "plugin"
+    """OPOB's baseline (docs/variance.md): ``plugin``, the paper's group baseline b_g; ``leave_one_out``, each row's
+    baseline over the other rows of its group; ``grad_only``, weights G without W^2. Any variant, either weighting."""
     grad_norm_method: Literal["exact", "fast"] = "fast"
     """How OPOB gets per-trajectory gradient norms: "fast" (one batched backward, ghost norms) or
     "exact" (one backward per row, the reference)."""

@@ -166,7 +166,8 @@ class Learner:
         if needed_B is not None:
             G_B, result.metrics = self.grad_sq_norms(batch, needed_B, capture)
             result.adv_b = compute_advantages("opob", batch.rewards_B, batch.group_ids_B, logw=logw_B,
-                                              grad_sq_norms=G_B, weighting=ac.opob_weighting)
+                                              grad_sq_norms=G_B, weighting=ac.opob_weighting,
+                                              variant=ac.opob_variant)
             result.G_b, result.needed_b = G_B, needed_B
         if not backward:
             return result

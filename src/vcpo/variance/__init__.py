@@ -9,7 +9,13 @@ from vcpo.variance.advantages import (
     opo_advantages,
     rloo_advantages,
 )
-from vcpo.variance.baselines import OPOB_WEIGHTINGS, opob_advantages, opob_baseline, opob_rows_needing_grad_norms
+from vcpo.variance.baselines import (
+    OPOB_VARIANTS,
+    OPOB_WEIGHTINGS,
+    opob_advantages,
+    opob_baseline,
+    opob_rows_needing_grad_norms,
+)
 from vcpo.variance.ess import ess, ess_lr_scale, ess_ratio, sequence_log_weights
 from vcpo.variance.grad_norms import GRAD_SQ_NORM_METHODS, trajectory_grad_sq_norms
 from vcpo.variance.logprobs import token_logprobs
@@ -17,6 +23,7 @@ from vcpo.variance.logprobs import token_logprobs
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "GRAD_SQ_NORM_METHODS",
+    "OPOB_VARIANTS",
     "OPOB_WEIGHTINGS",
     "compute_advantages",
     "dr_grpo_advantages",
