@@ -158,9 +158,10 @@ class AdvantageConfig(_Strict):
     opob_variant: Literal["plugin", "leave_one_out", "grad_only"] = "plugin"
     """OPOB's baseline (docs/variance.md): ``plugin``, the paper's group baseline b_g; ``leave_one_out``, each row's
     baseline over the other rows of its group; ``grad_only``, weights G without W^2. Any variant, either weighting."""
-    grad_norm_method: Literal["exact", "fast"] = "fast"
-    """How OPOB gets per-trajectory gradient norms: "fast" (one batched backward, ghost norms) or
-    "exact" (one backward per row, the reference)."""
+    grad_norm_method: Literal["exact", "fast", "logit_proxy"] = "fast"
+    """How OPOB gets per-trajectory gradient norms: "fast" (one batched backward, ghost norms), "exact" (one
+    backward per row, the reference) or "logit_proxy" (the squared norm of the gradient with respect to the logits
+    only, from the learner's own forward: no extra backward; a proxy that ranks rows, not G itself)."""
 
 
 class ESSLRConfig(_Strict):

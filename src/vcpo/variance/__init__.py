@@ -17,7 +17,7 @@ from vcpo.variance.baselines import (
     opob_rows_needing_grad_norms,
 )
 from vcpo.variance.ess import ess, ess_lr_scale, ess_ratio, sequence_log_weights
-from vcpo.variance.grad_norms import GRAD_SQ_NORM_METHODS, trajectory_grad_sq_norms
+from vcpo.variance.grad_norms import GRAD_SQ_NORM_METHODS, logit_proxy_grad_sq_norms, trajectory_grad_sq_norms
 from vcpo.variance.logprobs import token_logprobs
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "ess_lr_scale",
     "ess_ratio",
     "grpo_advantages",
+    "logit_proxy_grad_sq_norms",
     "opo_advantages",
     "opob_advantages",
     "opob_baseline",
