@@ -133,6 +133,12 @@ class RolloutConfig(_Strict):
     engine: Literal["hf", "server"] = "hf"
     """``hf``: in-process Hugging Face generation; ``server``: the inference servers of ``rollout.server``."""
     server: ServerConfig = Field(default_factory=ServerConfig)
+    study_mismatch_std: float = Field(0.0, ge=0)
+    """STUDY ONLY, off (0) by default: simulate a sampler/learner kernel mismatch by adding reward-independent noise
+    eps_i ~ N(0, s^2) to each sequence's behaviour log-prob (spread over its tokens), so W_i gets a log-normal
+    factor exp(-eps_i) and a synchronous run sits at ESS ratio about exp(-s^2) (0.6-0.75 for s 0.54-0.71, the VCPO
+    paper's synchronous range). Applied where the learner reads the batch (vcpo.train.mismatch); the samples
+    themselves are unchanged. Never for real training."""
 
 
 class ObjectiveConfig(_Strict):

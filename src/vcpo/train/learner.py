@@ -40,6 +40,7 @@ from vcpo.objectives import (
     objective_scope,
 )
 from vcpo.train.micro_batches import WholeBatch, gather_rows, plan_micro_batches, trim_padding
+from vcpo.train.mismatch import with_study_mismatch
 from vcpo.train.precision import LearnerOptimizer
 from vcpo.types import Batch
 from vcpo.variance import (
@@ -290,6 +291,7 @@ class Learner:
         """
         t0 = time.perf_counter()
         tc = self.config.trainer
+        batch = with_study_mismatch(batch, self.config.rollout.study_mismatch_std, self.config.seed)  # off: as is
         if bool(torch.isfinite(batch.behavior_logprobs_BS[batch.response_mask_BS.bool()]).all()):
             metrics = self.backward(batch)
             grad_norm = self.optimizer.clip_grad_norm(tc.grad_clip)
