@@ -1,6 +1,7 @@
 """The learner: fast OPOB (one batched backward) gives the exact path's gradients, for an objective
-whose gradient is one coefficient per row (assembled, no second backward) and for one that is not;
-the ESS-scaled learning rate is set for the step and restored."""
+whose gradient is one coefficient per row (assembled, no second backward) and for one that is not, and
+autograd's gradient of the loss with ``opob_advantages``, for every OPOB variant; the ESS-scaled learning
+rate is set for the step and restored."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 import transformers
 
 from vcpo.config import load_config
+from vcpo.objectives import ObjectiveInputs, get_objective
 from vcpo.train.learner import Learner
 from vcpo.types import Batch, SamplingParams, Trajectory
+from vcpo.variance import OPOB_VARIANTS, opob_advantages, sequence_log_weights, token_logprobs, trajectory_grad_sq_norms
 
 
 def tiny_llama(tie: bool = True) -> torch.nn.Module:
@@ -45,13 +48,41 @@ def grads(objective: str, method: str, tie: bool, extra: list[str] = ()) -> tupl
 
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize(("objective", "second_backward"), [("vcpo", 0.0), ("reinforce", 0.0), ("ppo_clip", 1.0)])
-def test_fast_opob_gradients_equal_exact(objective, second_backward, tie):
-    exact, m_exact = grads(objective, "exact", tie)
-    fast, m_fast = grads(objective, "fast", tie)
+@pytest.mark.parametrize("variant", OPOB_VARIANTS)
+def test_fast_opob_gradients_equal_exact(objective, second_backward, tie, variant):
+    exact, m_exact = grads(objective, "exact", tie, [f"advantage.opob_variant={variant}"])
+    fast, m_fast = grads(objective, "fast", tie, [f"advantage.opob_variant={variant}"])
     assert m_fast["opob/second_backward"] == second_backward
     assert m_fast["opob/grad_sq_norm_mean"] == pytest.approx(m_exact["opob/grad_sq_norm_mean"], rel=1e-4)
     for ge, gf in zip(exact, fast, strict=True):
         torch.testing.assert_close(gf, ge, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("weighting", ["paper", "authors_code"])
+@pytest.mark.parametrize("variant", OPOB_VARIANTS)
+def test_single_backward_equals_autograd_of_the_loss_with_opob_advantages(variant, weighting):
+    # Independent of the learner's plumbing: G exact per row, advantages from the public function, the vcpo
+    # objective's loss, torch.autograd; against the fast path's one backward (assembled, no second backward).
+    fast, m_fast = grads("vcpo", "fast", True, [f"advantage.opob_variant={variant}",
+                                                f"advantage.opob_weighting={weighting}"])
+    assert m_fast["opob/second_backward"] == 0.0
+    model, b = tiny_llama(True), batch()
+    lp_BS = token_logprobs(model, b.input_ids_BS, b.attention_mask_BS)
+    G_B = trajectory_grad_sq_norms(model, b.input_ids_BS, b.response_mask_BS, b.attention_mask_BS)
+    logw_B = sequence_log_weights(lp_BS, b.behavior_logprobs_BS, b.response_mask_BS)
+    adv_B = opob_advantages(b.rewards_B, logw_B, G_B, b.group_ids_B, weighting=weighting, variant=variant)
+    loss = get_objective("vcpo")(ObjectiveInputs(logprobs=lp_BS, behavior_logprobs=b.behavior_logprobs_BS,
+                                                 advantages=adv_B, mask=b.response_mask_BS)).loss
+    reference = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+    for gr, gf in zip(reference, fast, strict=True):
+        torch.testing.assert_close(gf, gr, rtol=1e-4, atol=1e-7)
+
+
+def test_the_variants_give_different_gradients():
+    plugin, _ = grads("vcpo", "fast", True)
+    for variant in ("leave_one_out", "grad_only"):
+        other, _ = grads("vcpo", "fast", True, [f"advantage.opob_variant={variant}"])
+        assert max(float((a - b).abs().max()) for a, b in zip(plugin, other, strict=True)) > 1e-4
 
 
 @pytest.mark.parametrize("method", ["fast", "exact"])

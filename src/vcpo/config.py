@@ -161,6 +161,12 @@ class RolloutConfig(_Strict):
     engine: Literal["hf", "server"] = "hf"
     """``hf``: in-process Hugging Face generation; ``server``: the inference servers of ``rollout.server``."""
     server: ServerConfig = Field(default_factory=ServerConfig)
+    study_mismatch_std: float = Field(0.0, ge=0)
+    """STUDY ONLY, off (0) by default: simulate a sampler/learner kernel mismatch by adding reward-independent noise
+    eps_i ~ N(0, s^2) to each sequence's behaviour log-prob (spread over its tokens), so W_i gets a log-normal
+    factor exp(-eps_i) and a synchronous run sits at ESS ratio about exp(-s^2) (0.6-0.75 for s 0.54-0.71, the VCPO
+    paper's synchronous range). Applied where the learner reads the batch (vcpo.train.mismatch); the samples
+    themselves are unchanged. Never for real training."""
 
 
 class ObjectiveConfig(_Strict):
@@ -192,9 +198,13 @@ class AdvantageConfig(_Strict):
     baseline; ``opob`` VCPO's baseline weighted by importance weight squared times gradient norm squared."""
     opob_weighting: Literal["paper", "authors_code"] = "paper"
     """OPOB's weights: ``paper`` W^2 G; ``authors_code`` W^2 min(W, cap)^2 G, as the authors' released code."""
-    grad_norm_method: Literal["exact", "fast"] = "fast"
-    """How OPOB gets per-trajectory gradient norms: "fast" (one batched backward, ghost norms) or
-    "exact" (one backward per row, the reference)."""
+    opob_variant: Literal["plugin", "leave_one_out", "grad_only"] = "plugin"
+    """OPOB's baseline (docs/variance.md): ``plugin``, the paper's group baseline b_g; ``leave_one_out``, each row's
+    baseline over the other rows of its group; ``grad_only``, weights G without W^2. Any variant, either weighting."""
+    grad_norm_method: Literal["exact", "fast", "logit_proxy"] = "fast"
+    """How OPOB gets per-trajectory gradient norms: "fast" (one batched backward, ghost norms), "exact" (one
+    backward per row, the reference) or "logit_proxy" (the squared norm of the gradient with respect to the logits
+    only, from the learner's own forward: no extra backward; a proxy that ranks rows, not G itself)."""
 
 
 class ESSLRConfig(_Strict):

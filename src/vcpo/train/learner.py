@@ -5,7 +5,9 @@ RLOO, OPO or VCPO's OPOB) -> objective(name) -> backward -> clip -> AdamW step w
 rate scaled by the ESS ratio (VCPO §8.2: set lr, step, restore).
 
 OPOB needs every trajectory's squared gradient norm G_i. With ``grad_norm_method="exact"`` they
-come from one backward per row before the loss's own backward. With ``"fast"`` one batched
+come from one backward per row before the loss's own backward; ``"logit_proxy"`` replaces them by the
+squared norm of the gradient with respect to the logits, read off the learner's own forward (no extra
+backward; ``logit_proxy_grad_sq_norms``). With ``"fast"`` one batched
 forward and backward yields G_i (ghost norms) and keeps what is needed to assemble
 ``sum_i c_i grad score_i`` for any per-row coefficients c_i; when the objective's gradient with
 respect to the log-probs is one coefficient per row (REINFORCE-form sequence weights: vcpo, tis
@@ -38,12 +40,14 @@ from vcpo.objectives import (
     objective_scope,
 )
 from vcpo.train.micro_batches import WholeBatch, gather_rows, plan_micro_batches, trim_padding
+from vcpo.train.mismatch import with_study_mismatch
 from vcpo.train.precision import LearnerOptimizer
 from vcpo.types import Batch
 from vcpo.variance import (
     compute_advantages,
     ess_lr_scale,
     ess_ratio,
+    logit_proxy_grad_sq_norms,
     opob_rows_needing_grad_norms,
     sequence_log_weights,
     token_logprobs,
@@ -102,9 +106,12 @@ class Learner:
         ac = self.config.advantage
         return ac.estimator == "opob" and ac.grad_norm_method == "fast"
 
-    def logprobs(self, batch: Batch, grad: bool = True, entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    def logprobs(
+        self, batch: Batch, grad: bool = True, entropy: bool = False, collision: bool = False
+    ) -> Tensor | tuple[Tensor, ...]:
         """[B, S] log-probs of the response tokens at the rollout temperature (the lean path on large batches,
-        activation checkpointing when configured and ``grad``).
+        activation checkpointing when configured and ``grad``); with ``entropy`` / ``collision`` as
+        ``token_logprobs`` returns them.
 
         Right-padded, no position ids: the engine passes explicit positions to its left-padded rows,
         so both see the same positions and the log-probs agree (the mismatch test)."""
@@ -112,29 +119,39 @@ class Learner:
             return token_logprobs(
                 self.model, batch.input_ids_BS, batch.attention_mask_BS, self.config.rollout.temperature,
                 return_entropy=entropy, positions=batch.response_mask_BS, lm_head_fp32=self.config.model.lm_head_fp32,
+                return_collision=collision,
             )
 
     def forward(
         self, batch: Batch, needed_B: Tensor | None = None, grad: bool = True
-    ) -> tuple[Tensor, Tensor | None, PerRowGradCapture | None]:
-        """[B, S] log-probs, their entropy, and the per-row capture (whose norms cover the rows ``needed_B``, all
-        rows if None). On the single-backward path the log-probs are a leaf: the loss's gradient reaches the model
-        through the capture, not through autograd."""
+    ) -> tuple[Tensor, Tensor | None, PerRowGradCapture | None, Tensor | None]:
+        """[B, S] log-probs, their entropy, the per-row capture (whose norms cover the rows ``needed_B``, all
+        rows if None) and, for the logit proxy, the [B, S] collision probabilities. On the single-backward path
+        the log-probs are a leaf: the loss's gradient reaches the model through the capture, not through autograd."""
         if self.single_backward:
             _, capture = per_row_grad_capture(
                 self.model, batch.input_ids_BS, batch.response_mask_BS, batch.attention_mask_BS,
                 self.config.rollout.temperature, rows=needed_B, lm_head_fp32=self.config.model.lm_head_fp32,
             )
-            return capture.logprobs_BT.detach().clone().requires_grad_(grad), None, capture
+            return capture.logprobs_BT.detach().clone().requires_grad_(grad), None, capture, None
+        if needed_B is not None and self.config.advantage.grad_norm_method == "logit_proxy":
+            lp_BS, entropy_BS, collision_BS = self.logprobs(batch, grad=grad, entropy=True, collision=True)
+            return lp_BS, entropy_BS, None, collision_BS
         lp_BS, entropy_BS = self.logprobs(batch, grad=grad, entropy=True)
-        return lp_BS, entropy_BS, None
+        return lp_BS, entropy_BS, None, None
 
     def grad_sq_norms(
-        self, batch: Batch, needed_B: Tensor, capture: PerRowGradCapture | None
+        self, batch: Batch, needed_B: Tensor, capture: PerRowGradCapture | None, lp_BS: Tensor,
+        collision_BS: Tensor | None,
     ) -> tuple[Tensor, dict[str, float]]:
-        """OPOB's G for the rows ``needed_B`` (0 elsewhere): from the capture, else by the configured method."""
+        """OPOB's G for the rows ``needed_B`` (0 elsewhere): from the capture, the forward's logits (the proxy), else
+        by the configured method."""
         if capture is not None:
             return capture.sq_norms(needed_B), {}
+        if collision_BS is not None:
+            proxy_B = logit_proxy_grad_sq_norms(lp_BS, collision_BS, batch.response_mask_BS,
+                                                self.config.rollout.temperature)
+            return torch.where(needed_B, proxy_B, torch.zeros_like(proxy_B)), {}
         t0 = time.perf_counter()
         G_B = torch.zeros(needed_B.shape, dtype=torch.float64, device=needed_B.device)
         if bool(needed_B.any()):
@@ -160,13 +177,14 @@ class Learner:
                 order = torch.argsort((~needed_B).to(torch.int8), stable=True)
                 batch, needed_B, rows = batch.rows(order), needed_B[order], rows[order]
         mask_BS = batch.response_mask_BS
-        lp_BS, entropy_BS, capture = self.forward(batch, needed_B, grad=backward)
+        lp_BS, entropy_BS, capture, collision_BS = self.forward(batch, needed_B, grad=backward)
         logw_B = sequence_log_weights(lp_BS, batch.behavior_logprobs_BS, mask_BS)
         result = _Part(rows, batch, lp_BS.detach(), entropy_BS, logw_B.detach(), adv_B)
         if needed_B is not None:
-            G_B, result.metrics = self.grad_sq_norms(batch, needed_B, capture)
+            G_B, result.metrics = self.grad_sq_norms(batch, needed_B, capture, lp_BS, collision_BS)
             result.adv_b = compute_advantages("opob", batch.rewards_B, batch.group_ids_B, logw=logw_B,
-                                              grad_sq_norms=G_B, weighting=ac.opob_weighting)
+                                              grad_sq_norms=G_B, weighting=ac.opob_weighting,
+                                              variant=ac.opob_variant)
             result.G_b, result.needed_b = G_B, needed_B
         if not backward:
             return result
@@ -273,6 +291,7 @@ class Learner:
         """
         t0 = time.perf_counter()
         tc = self.config.trainer
+        batch = with_study_mismatch(batch, self.config.rollout.study_mismatch_std, self.config.seed)  # off: as is
         if bool(torch.isfinite(batch.behavior_logprobs_BS[batch.response_mask_BS.bool()]).all()):
             metrics = self.backward(batch)
             grad_norm = self.optimizer.clip_grad_norm(tc.grad_clip)

@@ -109,7 +109,7 @@ def compute_advantages(
     ``"opo"`` needs ``lengths``; ``"opob"`` needs ``logw`` and ``grad_sq_norms``; the others use only
     ``rewards`` and ``group_ids`` (inputs an estimator does not use are ignored, so a trainer can pass
     everything it has). ``options`` go to the estimator as keywords (``eps`` for GRPO and
-    OPOB; ``weighting`` and ``cap`` for OPOB). Unknown name, or a missing input: ValueError naming it.
+    OPOB; ``weighting``, ``cap`` and ``variant`` for OPOB). Unknown name, or a missing input: ValueError naming it.
     """
     if name not in ADVANTAGE_ESTIMATORS:
         valid = ", ".join(sorted(ADVANTAGE_ESTIMATORS))

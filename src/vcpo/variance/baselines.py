@@ -1,5 +1,6 @@
-"""OPOB, VCPO's closed-form off-policy optimal baseline (arXiv 2602.17616, §8.3), and the per-group
-reductions over arbitrary integer group ids that every group advantage estimator shares."""
+"""OPOB, VCPO's closed-form off-policy optimal baseline (arXiv 2602.17616, §8.3), its variants (the paper's
+plug-in, leave-one-out, gradient-only), and the per-group reductions over arbitrary integer group ids that every
+group advantage estimator shares."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import Tensor
 
 OPOB_WEIGHTINGS = ("paper", "authors_code")
+OPOB_VARIANTS = ("plugin", "leave_one_out", "grad_only")
 
 
 def check_vectors(**vectors: Tensor | None) -> int:
@@ -56,24 +58,28 @@ def group_population_std(x_B: Tensor, inverse_B: Tensor, n_groups: int) -> Tenso
     return group_mean(centered_B.square(), inverse_B, n_groups).sqrt()
 
 
-def _check_opob_options(weighting: str, cap: float) -> None:
+def _check_opob_options(weighting: str, cap: float, variant: str) -> None:
     if weighting not in OPOB_WEIGHTINGS:
         raise ValueError(f"unknown OPOB weighting {weighting!r}; valid weightings: {', '.join(OPOB_WEIGHTINGS)}")
+    if variant not in OPOB_VARIANTS:
+        raise ValueError(f"unknown OPOB variant {variant!r}; valid variants: {', '.join(OPOB_VARIANTS)}")
     if not (math.isfinite(cap) and cap > 0):
         raise ValueError(f"OPOB cap must be a finite number > 0, got {cap!r}")
 
 
-def _opob_group_baseline(
-    rewards_B: Tensor, logw_B: Tensor, grad_sq_norms_B: Tensor, inverse_B: Tensor, n_groups: int,
-    weighting: str, cap: float,
-) -> Tensor:
-    """[G] OPOB baseline of each group; inputs are already detached, validated and of one float dtype."""
+def _opob_log_weights(logw_B: Tensor, grad_sq_norms_B: Tensor, weighting: str, cap: float, variant: str) -> Tensor:
+    """[B] log of each row's OPOB weight: ``log(W^2 G)``, times ``min(W, cap)^2`` for ``authors_code``, without
+    the ``W^2`` for ``grad_only``. ``G = 0`` gives -inf, a weight of exactly 0."""
     if bool((grad_sq_norms_B < 0).any()):
         raise ValueError("grad_sq_norms must be >= 0 (they are squared gradient norms)")
-    # log(W^2 G); G = 0 gives -inf, a weight of exactly 0.
-    log_weight_B = 2 * logw_B + torch.log(grad_sq_norms_B)
+    log_weight_B = torch.log(grad_sq_norms_B) if variant == "grad_only" else 2 * logw_B + torch.log(grad_sq_norms_B)
     if weighting == "authors_code":
         log_weight_B = log_weight_B + 2 * logw_B.clamp(max=math.log(cap))
+    return log_weight_B
+
+
+def _opob_group_baseline(rewards_B: Tensor, log_weight_B: Tensor, inverse_B: Tensor, n_groups: int) -> Tensor:
+    """[G] the plug-in baseline of each group; inputs are already detached, validated and of one float dtype."""
     shift_G = torch.full((n_groups,), -math.inf, dtype=log_weight_B.dtype, device=log_weight_B.device)
     shift_G = shift_G.scatter_reduce(0, inverse_B, log_weight_B, reduce="amax")
     shift_B = shift_G[inverse_B]
@@ -87,17 +93,56 @@ def _opob_group_baseline(
     return torch.where(usable_G, numerator_G / safe_denominator_G, group_mean(rewards_B, inverse_B, n_groups))
 
 
+def _leave_one_out_baseline(rewards_B: Tensor, log_weight_B: Tensor, inverse_B: Tensor, n_groups: int) -> Tensor:
+    """[B] each row's baseline over the OTHER rows of its group, ``sum_{j != i} w_j R_j / sum_{j != i} w_j``.
+
+    The group is laid out as a padded [G, N] table and each row gets its own shift, the largest log-weight of the
+    others, so the others' relative weights survive however much larger row i's own weight is (subtracting it
+    from the group's sum would cancel them to 0). Where the others' weights vanish or are not finite: their mean
+    reward; a group of one row: its own reward (advantage 0, as RLOO)."""
+    B = rewards_B.shape[0]
+    order_B = torch.argsort(inverse_B, stable=True)
+    count_G = torch.bincount(inverse_B, minlength=n_groups)
+    start_G = torch.cumsum(count_G, 0) - count_G
+    sorted_group_B = inverse_B[order_B]
+    slot_B = torch.empty_like(inverse_B)
+    slot_B[order_B] = torch.arange(B, device=inverse_B.device) - start_G[sorted_group_B]
+    N = int(count_G.max())
+    log_weight_GN = log_weight_B.new_full((n_groups, N), -math.inf).index_put((inverse_B, slot_B), log_weight_B)
+    rewards_GN = rewards_B.new_zeros((n_groups, N)).index_put((inverse_B, slot_B), rewards_B)
+    # [B, N]: row i's view of its group with itself (and the padding) at -inf.
+    others_BN = log_weight_GN[inverse_B].index_put(
+        (torch.arange(B, device=inverse_B.device), slot_B), log_weight_B.new_full((B,), -math.inf)
+    )
+    rewards_BN = rewards_GN[inverse_B]
+    shift_B = others_BN.amax(dim=1)
+    finite_B = torch.isfinite(shift_B)
+    weight_BN = torch.where(finite_B[:, None], torch.exp(others_BN - torch.where(finite_B, shift_B, 0.0)[:, None]),
+                            torch.zeros_like(others_BN))
+    denominator_B = weight_BN.sum(1)
+    usable_B = torch.isfinite(denominator_B) & (denominator_B > 0)
+    weighted_B = (weight_BN * rewards_BN).sum(1) / torch.where(usable_B, denominator_B, torch.ones_like(denominator_B))
+    others_B = (count_G - 1)[inverse_B]
+    others_mean_B = (group_sum(rewards_B, inverse_B, n_groups)[inverse_B] - rewards_B) / others_B.clamp(min=1)
+    fallback_B = torch.where(others_B > 0, others_mean_B, rewards_B)
+    return torch.where(usable_B, weighted_B, fallback_B)
+
+
 def _opob_prepare(
-    rewards: Tensor, logw: Tensor, grad_sq_norms: Tensor, group_ids: Tensor, weighting: str, cap: float,
+    rewards: Tensor, logw: Tensor, grad_sq_norms: Tensor, group_ids: Tensor, weighting: str, cap: float, variant: str,
 ) -> tuple[Tensor, Tensor, int, Tensor]:
-    """Validated float rewards_B, inverse_B, n_groups and the OPOB baseline b_G of each group."""
+    """Validated float rewards_B, inverse_B, n_groups and each row's OPOB baseline b_B."""
     check_vectors(rewards=rewards, logw=logw, grad_sq_norms=grad_sq_norms, group_ids=group_ids)
-    _check_opob_options(weighting, cap)
+    _check_opob_options(weighting, cap, variant)
     dtype = float_dtype(rewards, logw, grad_sq_norms)
     rewards_B, logw_B, grad_sq_norms_B = (t.detach().to(dtype) for t in (rewards, logw, grad_sq_norms))
     inverse_B, n_groups = group_index(group_ids)
-    baseline_G = _opob_group_baseline(rewards_B, logw_B, grad_sq_norms_B, inverse_B, n_groups, weighting, cap)
-    return rewards_B, inverse_B, n_groups, baseline_G
+    log_weight_B = _opob_log_weights(logw_B, grad_sq_norms_B, weighting, cap, variant)
+    if variant == "leave_one_out":
+        baseline_B = _leave_one_out_baseline(rewards_B, log_weight_B, inverse_B, n_groups)
+    else:
+        baseline_B = _opob_group_baseline(rewards_B, log_weight_B, inverse_B, n_groups)[inverse_B]
+    return rewards_B, inverse_B, n_groups, baseline_B
 
 
 def opob_rows_needing_grad_norms(rewards: Tensor, group_ids: Tensor) -> Tensor:
@@ -118,9 +163,9 @@ def opob_rows_needing_grad_norms(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 def opob_baseline(
     rewards: Tensor, logw: Tensor, grad_sq_norms: Tensor, group_ids: Tensor, *,
-    weighting: str = "paper", cap: float = 8.0,
+    weighting: str = "paper", cap: float = 8.0, variant: str = "plugin",
 ) -> Tensor:
-    """[B] OPOB baseline of each sequence's group (VCPO, arXiv 2602.17616, §8.3).
+    """[B] OPOB baseline of each sequence (VCPO, arXiv 2602.17616, §8.3; the variants are ours).
 
     ``weighting="paper"`` (default), the paper's formula, minimising ``E[W^2 (R - b)^2 ||grad log pi||^2]``:
         ``b_g = sum_{i in g} W_i^2 G_i R_i / sum_{i in g} W_i^2 G_i``
@@ -129,33 +174,42 @@ def opob_baseline(
         ``b_g = sum W_i^2 min(W_i, cap)^2 G_i R_i / sum W_i^2 min(W_i, cap)^2 G_i``
     (about ``W^4`` for ``W < cap``). ``cap`` is used only by ``"authors_code"``.
 
+    ``variant`` (each combines with either weighting; ``w_j`` is the weighting's weight):
+        ``"plugin"`` (default, the paper): ``b_g`` above; row i sits in its own baseline with share
+        ``p_i = w_i / sum_j w_j``, so ``R_i - b_g = (1 - p_i)(R_i - b_{-i})``.
+        ``"leave_one_out"``: ``b_{-i} = sum_{j in g, j != i} w_j R_j / sum_{j in g, j != i} w_j``; where the
+        other rows' weights vanish (or are not finite), their mean reward; a group of one row gets ``R_i``.
+        ``"grad_only"``: the plug-in baseline without ``W^2``: ``w_j = G_j`` (``min(W_j, cap)^2 G_j`` with
+        ``"authors_code"``, whose G carries the truncated weight).
+
     ``W_i = exp(logw_i)`` exactly as given: the caller decides clipped or not. ``G_i >= 0`` is the
     squared norm of the trajectory's score gradient (see ``trajectory_grad_sq_norms``); ``G_i = 0``
-    is allowed. Computed in log space, ``w_i = exp(log(W_i^2 G_i) - max_{j in g} log(W_j^2 G_j))``, so
-    log-weights of +-1000 are fine. A group whose denominator is zero or not finite falls back to its
-    mean reward. ``group_ids`` are arbitrary integers. Everything is detached: the baseline is a constant.
+    is allowed. Computed in log space, ``w_i = exp(log(W_i^2 G_i) - max_j log(W_j^2 G_j))`` with the max
+    over the rows summed (the others of row i for ``leave_one_out``), so log-weights of +-1000 are fine. A
+    group whose denominator is zero or not finite falls back to its mean reward. ``group_ids`` are arbitrary
+    integers. Everything is detached: the baseline is a constant.
     """
-    _, inverse_B, _, baseline_G = _opob_prepare(rewards, logw, grad_sq_norms, group_ids, weighting, cap)
-    return baseline_G[inverse_B]
+    return _opob_prepare(rewards, logw, grad_sq_norms, group_ids, weighting, cap, variant)[3]
 
 
 def opob_advantages(
     rewards: Tensor, logw: Tensor, grad_sq_norms: Tensor, group_ids: Tensor, eps: float = 1e-8, *,
-    weighting: str = "paper", cap: float = 8.0,
+    weighting: str = "paper", cap: float = 8.0, variant: str = "plugin",
 ) -> Tensor:
-    """[B] VCPO advantages ``Ahat_i = (R_i - b_g) / sigma_g`` with the OPOB baseline (arXiv 2602.17616, §8.3).
+    """[B] VCPO advantages ``Ahat_i = (R_i - b_i) / sigma_g`` with an OPOB baseline (arXiv 2602.17616, §8.3).
 
-    ``sigma_g`` is the population std of the group's rewards; when ``sigma_g <= eps`` (default 1e-8)
-    the advantage is ``R_i - b_g`` unscaled. ``weighting`` and ``cap`` are those of ``opob_baseline``
-    (``"paper"``: ``W^2 G``; ``"authors_code"``: ``W^2 min(W, cap)^2 G``). This replaces GRPO's
-    mean-centering; the result is detached.
+    ``b_i`` is ``opob_baseline``'s (``b_g`` for ``"plugin"`` and ``"grad_only"``, ``b_{-i}`` for
+    ``"leave_one_out"``, which with equal weights is RLOO's ``n/(n-1)`` times the plug-in advantage).
+    ``sigma_g`` is the population std of the group's rewards (row i included); when ``sigma_g <= eps``
+    (default 1e-8) the advantage is ``R_i - b_i`` unscaled. ``weighting``, ``cap`` and ``variant`` are those of
+    ``opob_baseline``. This replaces GRPO's mean-centering; the result is detached.
     """
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"opob_advantages: eps must be a finite number >= 0, got {eps!r}")
-    rewards_B, inverse_B, n_groups, baseline_G = _opob_prepare(
-        rewards, logw, grad_sq_norms, group_ids, weighting, cap
+    rewards_B, inverse_B, n_groups, baseline_B = _opob_prepare(
+        rewards, logw, grad_sq_norms, group_ids, weighting, cap, variant
     )
     sigma_B = group_population_std(rewards_B, inverse_B, n_groups)[inverse_B]
-    centered_B = rewards_B - baseline_G[inverse_B]
+    centered_B = rewards_B - baseline_B
     scaled_B = sigma_B > eps
     return torch.where(scaled_B, centered_B / torch.where(scaled_B, sigma_B, torch.ones_like(sigma_B)), centered_B)

@@ -1,5 +1,6 @@
 """The per-trajectory squared score-gradient norms ``G_i`` of a Hugging Face causal LM that OPOB weights by
-(VCPO, arXiv 2602.17616, §8.3): the exact reference and the dispatch to the fast method."""
+(VCPO, arXiv 2602.17616, §8.3): the exact reference, the dispatch to the fast method, and the forward-only logit
+proxy."""
 
 from __future__ import annotations
 
@@ -85,3 +86,29 @@ def trajectory_grad_sq_norms(
         raise ValueError("trajectory_grad_sq_norms: the model has no trainable parameters (requires_grad)")
     with torch.enable_grad():
         return GRAD_SQ_NORM_METHODS[method](model, params, input_ids, response_mask, attention_mask)
+
+
+def logit_proxy_grad_sq_norms(
+    logprobs: Tensor, collision: Tensor, response_mask: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """[B] float64 squared norm of the gradient of each sequence's log-prob with respect to the LOGITS only:
+
+        ``P_b = sum_{t >= 1} response_mask[b, t] * (1 - 2 pi_t(y_t) + sum_v pi_t(v)^2) / T^2``
+
+    For one token, ``d log softmax(z / T)_y / dz = (onehot(y) - pi) / T``, whose squared norm is
+    ``((1 - pi_y)^2 + sum_{v != y} pi_v^2) / T^2``; the gradients of different positions' logits are different
+    coordinates, so the sequence's squared norm is the sum over its tokens. It is the proxy of verl's optimal
+    token baseline (arXiv 2602.07078): it ignores everything below the logits, so it ranks rows by how much
+    their tokens could still move rather than measuring ``G_i`` (``trajectory_grad_sq_norms``). ``logprobs`` and
+    ``collision`` are ``token_logprobs(..., return_collision=True)``'s first and third outputs at ``temperature``
+    (``pi_t(y_t) = exp(logprobs)``); nothing here runs the model or a backward. ``response_mask[:, 0]`` is
+    ignored (no logits predict position 0) and masked positions contribute 0 even if non-finite.
+    """
+    check_token_tensors(logprobs, collision=collision, response_mask=response_mask)
+    if not temperature > 0:
+        raise ValueError(f"logit_proxy_grad_sq_norms: temperature must be > 0, got {temperature!r}")
+    lp_BT, collision_BT = logprobs.detach().double(), collision.detach().double()
+    counted_BT = response_mask.bool().clone()
+    counted_BT[:, 0] = False
+    per_token_BT = (1 - 2 * lp_BT.exp() + collision_BT) / temperature**2
+    return torch.where(counted_BT, per_token_BT, torch.zeros_like(per_token_BT)).sum(1)

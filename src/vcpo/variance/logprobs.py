@@ -1,4 +1,5 @@
-"""Per-token log-probs (and entropies) of a Hugging Face causal LM, in float32 whatever the weights' dtype.
+"""Per-token log-probs (and entropies, collision probabilities) of a Hugging Face causal LM, in float32 whatever
+the weights' dtype.
 
 Two paths give the same numbers: the full one (the model's [B, S, V] logits, one log-softmax), kept for small
 batches so that their numerics never change, and a lean one for large batches and for a float32 LM head: the
@@ -64,21 +65,26 @@ def head_logits(head: nn.Linear, hidden: Tensor, fp32: bool = False) -> Tensor:
 
 
 def logprobs_from_logits(
-    logits_BSV: Tensor, input_ids: Tensor, temperature: float = 1.0, return_entropy: bool = False
-) -> Tensor | tuple[Tensor, Tensor]:
+    logits_BSV: Tensor, input_ids: Tensor, temperature: float = 1.0, return_entropy: bool = False,
+    return_collision: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """[B, S] log-probs of ``input_ids`` from the logits of every position (position 0 gets 0), the log-softmax in
-    at least float32; with ``return_entropy`` also the detached [B, S] entropy (0 at position 0)."""
+    at least float32; with ``return_entropy`` also the detached [B, S] entropy (0 at position 0); with
+    ``return_collision`` the entropy and the detached [B, S] collision probability ``sum_v p_v^2`` (0 at 0)."""
     # Half-precision log-softmax over a large vocabulary loses most of a token's log-prob.
     logits_BTV = logits_BSV[:, :-1].to(torch.promote_types(logits_BSV.dtype, torch.float32))
     if temperature != 1.0:
         logits_BTV = logits_BTV / temperature
     logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
     logp_BT = F.pad(logp_BTV.gather(-1, input_ids[:, 1:, None]).squeeze(-1), (1, 0), value=0.0)
-    if not return_entropy:
+    if not (return_entropy or return_collision):
         return logp_BT
     with torch.no_grad():
-        entropy_BT = F.pad(-(logp_BTV.exp() * logp_BTV).sum(-1), (1, 0), value=0.0)
-    return logp_BT, entropy_BT
+        p_BTV = logp_BTV.exp()
+        entropy_BT = F.pad(-(p_BTV * logp_BTV).sum(-1), (1, 0), value=0.0)
+        if not return_collision:
+            return logp_BT, entropy_BT
+        return logp_BT, entropy_BT, F.pad(p_BTV.square().sum(-1), (1, 0), value=0.0)
 
 
 class _ChunkedHeadLogprobs(torch.autograd.Function):
@@ -86,7 +92,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
     chunk's logits: ``d lp / d z = (onehot(target) - softmax(z)) / T``."""
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, bias_V, targets_N, temperature, fp32, want_entropy):
+    def forward(ctx, hidden_ND, weight_VD, bias_V, targets_N, temperature, fp32, want_entropy, want_collision):
         compute = torch.float32 if fp32 and weight_VD.dtype in _HALF else weight_VD.dtype
         acc = torch.promote_types(compute, torch.float32)
         weight, bias = weight_VD.to(compute), None if bias_V is None else bias_V.to(compute)
@@ -94,20 +100,25 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         lp_N = hidden_ND.new_empty(n, dtype=acc)
         lse_N = hidden_ND.new_empty(n, dtype=acc)
         entropy_N = hidden_ND.new_zeros(n if want_entropy else 0, dtype=acc)
+        collision_N = hidden_ND.new_zeros(n if want_collision else 0, dtype=acc)
         for s in range(0, n, step):
             z = F.linear(hidden_ND[s : s + step].to(compute), weight, bias).to(acc) / temperature
             lse = torch.logsumexp(z, dim=-1)
             lse_N[s : s + step] = lse
             lp_N[s : s + step] = z.gather(1, targets_N[s : s + step, None]).squeeze(1) - lse
-            if want_entropy:  # H = lse - sum_v p_v z_v
-                entropy_N[s : s + step] = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
+            if want_entropy or want_collision:
+                p = torch.exp(z - lse[:, None])
+                if want_entropy:  # H = lse - sum_v p_v z_v
+                    entropy_N[s : s + step] = lse - (p * z).sum(-1)
+                if want_collision:
+                    collision_N[s : s + step] = p.square().sum(-1)
         ctx.save_for_backward(hidden_ND, weight_VD, bias_V, targets_N, lse_N)
         ctx.temperature, ctx.compute, ctx.step = temperature, compute, step
-        ctx.mark_non_differentiable(entropy_N)
-        return lp_N, entropy_N
+        ctx.mark_non_differentiable(entropy_N, collision_N)
+        return lp_N, entropy_N, collision_N
 
     @staticmethod
-    def backward(ctx, grad_lp_N, _grad_entropy):
+    def backward(ctx, grad_lp_N, _grad_entropy, _grad_collision):
         hidden_ND, weight_VD, bias_V, targets_N, lse_N = ctx.saved_tensors
         compute, step, temperature = ctx.compute, ctx.step, ctx.temperature
         acc = lse_N.dtype
@@ -131,28 +142,32 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
                 grad_b += dz.sum(0)
         grad_w = grad_w.to(weight_VD.dtype) if need_w else None
         grad_b = grad_b.to(weight_VD.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def _lean_logprobs(
     body: nn.Module, head: nn.Linear, input_ids: Tensor, attention_mask: Tensor | None, temperature: float,
-    positions_BS: Tensor, return_entropy: bool, fp32: bool,
-) -> tuple[Tensor, Tensor | None]:
+    positions_BS: Tensor, return_entropy: bool, fp32: bool, return_collision: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     hidden_BSD = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     # Token t is predicted by the hidden state at t - 1: only the positions asked for get a head.
     rows, cols = positions_BS[:, 1:].bool().nonzero(as_tuple=True)
-    lp_N, entropy_N = _ChunkedHeadLogprobs.apply(
-        hidden_BSD[rows, cols], head.weight, head.bias, input_ids[rows, cols + 1], temperature, fp32, return_entropy
+    lp_N, entropy_N, collision_N = _ChunkedHeadLogprobs.apply(
+        hidden_BSD[rows, cols], head.weight, head.bias, input_ids[rows, cols + 1], temperature, fp32, return_entropy,
+        return_collision,
     )
     lp_BS = lp_N.new_zeros(input_ids.shape).index_put((rows, cols + 1), lp_N)
     entropy_BS = entropy_N.new_zeros(input_ids.shape).index_put((rows, cols + 1), entropy_N) if return_entropy else None
-    return lp_BS, entropy_BS
+    collision_BS = (collision_N.new_zeros(input_ids.shape).index_put((rows, cols + 1), collision_N)
+                    if return_collision else None)
+    return lp_BS, entropy_BS, collision_BS
 
 
 def token_logprobs(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, temperature: float = 1.0,
     return_entropy: bool = False, positions: Tensor | None = None, lm_head_fp32: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_collision: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """[B, T] ``log p_theta(input_ids[b, t] | input_ids[b, <t])`` of a Hugging Face causal LM.
 
     The log-prob of token t comes from the logits at position t - 1; position 0 has no logits that
@@ -160,7 +175,9 @@ def token_logprobs(
     temperature, so its log-probs are of the distribution the engine sampled). The log-softmax runs
     in at least float32 (float64 models stay float64). Differentiable: gradients flow into the
     model's parameters. With ``return_entropy`` also returns the detached [B, T] entropy of the
-    distribution that predicted each token (0 at position 0).
+    distribution that predicted each token (0 at position 0). With ``return_collision`` returns
+    ``(log-probs, entropy, collision)``, the last the detached [B, T] ``sum_v p_v^2`` of that distribution (0 at
+    position 0), from the same softmax (the logit proxy of OPOB's G, ``logit_proxy_grad_sq_norms``).
 
     ``positions`` ([B, T], optional) names the tokens whose log-probs are needed; when it holds at least
     ``LEAN_MIN_LOGITS`` logits (or ``lm_head_fp32`` is set) and the model splits into body and head
@@ -174,9 +191,12 @@ def token_logprobs(
         split = split_head(model)
         lean = lm_head_fp32 or int(positions[:, 1:].count_nonzero()) * _vocab(model, split) >= LEAN_MIN_LOGITS
         if lean and split is not None:
-            lp_BT, entropy_BT = _lean_logprobs(
-                *split, input_ids, attention_mask, temperature, positions, return_entropy, lm_head_fp32
+            lp_BT, entropy_BT, collision_BT = _lean_logprobs(
+                *split, input_ids, attention_mask, temperature, positions, return_entropy or return_collision,
+                lm_head_fp32, return_collision,
             )
+            if return_collision:
+                return lp_BT, entropy_BT, collision_BT
             return (lp_BT, entropy_BT) if return_entropy else lp_BT
         if lm_head_fp32:
             raise NotImplementedError(
@@ -187,7 +207,7 @@ def token_logprobs(
     # No KV cache to build (and none that activation checkpointing would have to refuse).
     no_cache = {"use_cache": False} if isinstance(model, PreTrainedModel) else {}
     logits_BTV = model(input_ids=input_ids, attention_mask=attention_mask, **no_cache).logits
-    return logprobs_from_logits(logits_BTV, input_ids, temperature, return_entropy)
+    return logprobs_from_logits(logits_BTV, input_ids, temperature, return_entropy, return_collision)
 
 
 def _vocab(model: nn.Module, split: tuple[nn.Module, nn.Linear] | None) -> int:
