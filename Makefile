@@ -7,8 +7,9 @@ LOCK := requirements/lock.txt
 PIP := $(BIN)/pip install --quiet --disable-pip-version-check
 # torch first, the CPU build (a range resolved by pip alone would pull a CUDA build of several GB); then the rest,
 # every version pinned by the lock file used as constraints, so that each extra installs only what it needs.
+# pip itself pinned first: the pip a venv starts with (23.2 here) cannot combine constraints with an editable install.
 INSTALL = test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
-	$(PIP) -c $(LOCK) torch==2.13.0 && $(PIP) -c $(LOCK) -e "$(1)" && $(BIN)/python requirements/check_lock.py $(LOCK)
+	$(PIP) pip==26.3 && $(PIP) -c $(LOCK) torch==2.13.0 && $(PIP) -c $(LOCK) -e "$(1)" && $(BIN)/python requirements/check_lock.py $(LOCK)
 
 comma := ,
 
