@@ -20,6 +20,14 @@ ARMS: dict[str, tuple[str, ...]] = {
     "vcpo": ("objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=fast", ESS_LR),
     "vcpo_ess_only": ("objective.name=vcpo", GRPO_ADV, ESS_LR),
     "vcpo_opob_only": ("objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=fast", NO_ESS_LR),
+    # issue 24: OPOB without its self-inclusion (each row's baseline over the others), OPOB weighted by G alone,
+    # and the latter with the logit proxy for G (no gradient norms at all).
+    "vcpo_loo": ("objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=fast",
+                 "advantage.opob_variant=leave_one_out", ESS_LR),
+    "vcpo_gonly": ("objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=fast",
+                   "advantage.opob_variant=grad_only", ESS_LR),
+    "vcpo_gonly_proxy": ("objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=logit_proxy",
+                         "advantage.opob_variant=grad_only", ESS_LR),
 }
 """Each arm: the dotted overrides (as `vcpo train` takes them) that turn the base config into that method."""
 
@@ -61,8 +69,11 @@ QUICK = Grid(arms=["grpo", "tis_seq", "vcpo", "vcpo_ess_only", "vcpo_opob_only"]
 # benchmarks/staleness/probe_study2/). 7 arms x 4 k x 4 seeds x 2 pinned warm starts = 224 cells. Measured cost:
 # 62-75 CPU-s per cell, so about 14,800 CPU-s: 2.1 hours with 2 workers on two idle cores (longer when the
 # machine is shared), resumable, in parts with --warm-starts and --seeds.
+# issue 24 adds vcpo_loo, vcpo_gonly and vcpo_gonly_proxy, run at a later commit whose `vcpo rerun` of committed
+# cells reproduced them, so that old and new arms pair in one report.
 STUDY2 = Grid(
-    arms=["grpo", "tis_seq", "icepop", "m2po", "vespo", "vcpo", "vcpo_ess_only"], ks=[0, 16, 64, 128],
+    arms=["grpo", "tis_seq", "icepop", "m2po", "vespo", "vcpo", "vcpo_ess_only", "vcpo_loo", "vcpo_gonly",
+          "vcpo_gonly_proxy"], ks=[0, 16, 64, 128],
     seeds=[0, 1, 2, 3], base_config="configs/staleness_study.yaml", overrides=[],
     warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts/w0", "fa008a17bdfd45dd"),
                  "w1": WarmStartPin("benchmarks/staleness/warm_starts/w1", "7d3243aed6b861fe")},
