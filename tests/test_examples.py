@@ -4,11 +4,13 @@ sys.path, as from the console script), and examples/own_loop.py runs vcpo's piec
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from vcpo.testing.faults import command_env
@@ -68,3 +70,34 @@ def test_custom_multiturn_environment_runs_episodes_in_the_async_workers(tiny, t
         assert 0.0 <= m["reward/mean"] <= 1.0
     assert "eval/accuracy" in lines[-1]
 
+
+
+def test_own_loop_uses_stale_behaviour_log_probs_opob_and_the_ess_learning_rate():
+    spec = importlib.util.spec_from_file_location("own_loop", EXAMPLES / "own_loop.py")
+    own_loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(own_loop)
+    lr = 3e-3
+    history = own_loop.train(steps=4, lag=2, prompts_per_step=4, group_size=8, lr=lr, say=lambda *_: None)
+    assert [h["lag"] for h in history] == [0, 1, 0, 1]
+    varied = []  # (step record, group id) of every group whose rewards differ
+    for h in history:
+        logw = torch.tensor(h["logw"], dtype=torch.float64)
+        if h["lag"] == 0:  # sampled by the learner's own weights: recorded log-probs equal the recomputed ones
+            assert logw.abs().max() < 1e-4 and h["ess_ratio"] > 0.9999
+        else:  # one step stale: every weight moved off 1, and ESS fell below B
+            assert (logw.abs() > 1e-4).all() and h["ess_ratio"] < 0.9999
+        assert h["lr"] == pytest.approx(lr * math.sqrt(min(1.0, h["ess_ratio"])))
+        assert all(g > 0 for g in h["G"]) and math.isfinite(h["loss"])
+        groups = {g: {r for r, i in zip(h["rewards"], h["group_ids"], strict=True) if i == g} for g in h["group_ids"]}
+        varied += [(h, g) for g, rewards in groups.items() if len(rewards) > 1]
+        assert (h["grad_norm"] > 0) == any(len(rewards) > 1 for rewards in groups.values())  # else every A is 0
+    # OPOB on the stale steps: each group's baseline b_g = sum W^2 G R / sum W^2 G, recovered from the advantages
+    # (R - b_g) / sigma_g, and not the group's mean reward, since the weights W are unequal there.
+    stale = [(h, g) for h, g in varied if h["lag"] == 1]
+    assert stale, "no group with different rewards in a stale step"
+    for h, g in stale:
+        rows = torch.tensor(h["group_ids"]) == g
+        logw, G, R, A = (torch.tensor(h[k], dtype=torch.float64)[rows] for k in ("logw", "G", "rewards", "advantages"))
+        baseline = (torch.exp(2 * logw) * G * R).sum() / (torch.exp(2 * logw) * G).sum()
+        assert torch.allclose(R - A * R.std(unbiased=False), baseline.expand_as(R), atol=1e-5)
+        assert abs(float(baseline - R.mean())) > 1e-6
