@@ -16,7 +16,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vcpo.errors import DiskError, UserError
-from vcpo.objective_specs import SUM_NORM, HyperparameterError, check_hyperparameters, objective_names, spec_of
+from vcpo.objective_specs import (
+    BUILTIN_OBJECTIVES,
+    SUM_NORM,
+    HyperparameterError,
+    check_hyperparameters,
+    objective_names,
+    spec_of,
+)
+from vcpo.plugins import PluginError, is_import_path, load_function
 
 
 class ConfigError(UserError, ValueError):
@@ -53,8 +61,9 @@ class TaskConfig(_Strict):
     """What the policy learns to solve: the problems, their prompts, their rewards."""
 
     name: str = "chain_sum"
-    """A reasoning-gym dataset name, ``jsonl`` / ``parquet`` for a local dataset file (docs/datasets.md), or
-    ``tools:<dataset>`` for its multi-turn tool task (docs/tools.md)."""
+    """A reasoning-gym dataset name, ``jsonl`` / ``parquet`` for a local dataset file (docs/datasets.md),
+    ``tools:<dataset>`` for its multi-turn tool task (docs/tools.md), or ``module.sub:Name``: your own task or
+    multi-turn environment, a class or factory called with ``kwargs`` (docs/extending.md)."""
     kwargs: dict[str, Any] = Field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
     )
@@ -68,9 +77,11 @@ class TaskConfig(_Strict):
     instruction: str | None = None
     """Appended to the problem on its own line; None = the format's default ("Please reason step by step, and put
     your final answer within \\boxed{}." in chat format, nothing in raw format); "" = none."""
-    reward: Literal["native", "math", "auto"] = "native"
+    reward: str = "native"
     """reasoning-gym tasks: ``native`` = the dataset's own scorer, ``math`` = math-verify on the reference answer,
-    ``auto`` = math when every one of 64 sampled answers is a number. Dataset files are always scored by math."""
+    ``auto`` = math when every one of 64 sampled answers is a number; dataset files are scored by math. Either
+    kind of task: ``module.sub:function``, your own ``function(completion, answer) -> float`` in [0, 1], run in the
+    sandboxed scoring pool (docs/extending.md)."""
     eval_size: int = Field(500, gt=0)
     """Held-out problems for ``eval/accuracy`` (a separate seed from the training stream)."""
     reward_timeout_s: float = Field(5.0, gt=0, le=3600)
@@ -87,12 +98,33 @@ class TaskConfig(_Strict):
             return {**data, "kwargs": {}}
         return data
 
+    @field_validator("reward")
+    @classmethod
+    def _reward(cls, v: str) -> str:
+        if v in ("native", "math", "auto"):
+            return v
+        if not is_import_path(v):
+            raise ValueError("must be native, math, auto, or an import path module.sub:function")
+        from vcpo.rewards.scorers import REWARD_ARGUMENTS
+
+        try:
+            load_function(v, REWARD_ARGUMENTS)
+        except PluginError as e:
+            raise ValueError(e.reason) from None
+        return v
+
     @model_validator(mode="after")
     def _dataset_files(self) -> TaskConfig:
         from vcpo.tasks.records import DATASET_TASKS, check_dataset_kwargs
+        from vcpo.tasks.user_task import check_user_task, is_user_task
 
         if self.name in DATASET_TASKS:
             check_dataset_kwargs(self.name, self.kwargs)
+        elif is_user_task(self.name):
+            check_user_task(self.name, self.kwargs)
+        if is_import_path(self.reward) and (is_user_task(self.name) or self.name.startswith("tools:")):
+            raise ValueError(f"task.reward={self.reward!r} scores reasoning-gym and dataset tasks; task {self.name!r} "
+                             "scores its own completions")
         return self
 
 
@@ -173,10 +205,12 @@ class ObjectiveConfig(_Strict):
     """The policy-gradient loss (docs/objectives.md)."""
 
     name: str = "vcpo"
-    """A registered objective: reinforce, ppo_clip (grpo), gspo, gspo_token, gmpo, sapo, cispo, tis, mis, icepop,
-    m2po, vespo, bapo, topr, tb, vcpo."""
+    """A registered objective (reinforce, ppo_clip (grpo), gspo, gspo_token, gmpo, sapo, cispo, tis, mis, icepop,
+    m2po, vespo, bapo, topr, tb, vcpo), or ``module.sub:name``: your own objective function by import path
+    (docs/extending.md)."""
     loss_agg: str | None = None
-    """How the per-token losses are averaged: token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm (docs/objectives.md); None = the objective's own default."""
+    """How the per-token losses are averaged: token-mean, seq-mean-token-mean, seq-mean-token-sum or
+    seq-mean-token-sum-norm (docs/objectives.md); None = the objective's own default."""
     max_len: int | None = Field(None, gt=0)
     """The constant length of ``loss_agg: seq-mean-token-sum-norm`` (Dr. GRPO), required by it, used by no other."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -185,8 +219,17 @@ class ObjectiveConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v not in objective_names():
-            raise ValueError(f"unknown objective {v!r}; valid: {', '.join(objective_names())}")
+        if v in objective_names():
+            return v
+        if not is_import_path(v):
+            raise ValueError(f"unknown objective {v!r}; valid: {', '.join(objective_names())}, or an import path "
+                             "module.sub:name")
+        from vcpo.objectives.registry import resolve  # imports torch: only for a user's own objective
+
+        try:
+            resolve(v)
+        except PluginError as e:
+            raise ValueError(e.reason) from None
         return v
 
 
@@ -389,6 +432,13 @@ class Config(_Strict):
         if obj.max_len is not None and coerced.get("loss_agg", spec_of(obj.name)["loss_agg"].default) != SUM_NORM:
             raise ValueError(f"config key 'objective.max_len' is used only by objective.loss_agg={SUM_NORM}")
         obj.kwargs.update({k: v for k, v in coerced.items() if k in obj.kwargs})  # "1e3" -> 1000.0, in place
+        if obj.name not in BUILTIN_OBJECTIVES:
+            from vcpo.objectives.registry import check_objective
+
+            try:
+                check_objective(obj.name, **coerced)
+            except ValueError as e:
+                raise ValueError(f"config key 'objective.name': {e}") from None
         return self
 
     @model_validator(mode="after")

@@ -38,9 +38,13 @@ class HyperparameterError(ValueError):
         self.objective, self.name, self.reason = objective, name, reason
 
 
-def _agg(default: str) -> dict[str, Param]:
+def aggregation_params(default: str) -> dict[str, Param]:
+    """``loss_agg`` (default ``default``) and ``max_len``: the two hyperparameters every objective takes."""
     return {"loss_agg": Param(str, default, choices=LOSS_AGG_MODES),
             "max_len": Param(int, None, low=0, low_open=True, optional=True)}
+
+
+_agg = aggregation_params  # the table below names it often
 
 
 def _ratio_clip(eps_low: float, eps_high: float, eps_low_max: float | None = 1.0) -> dict[str, Param]:
@@ -88,8 +92,26 @@ OBJECTIVES: dict[str, dict[str, Param]] = {
     "vcpo": _agg("seq-mean-token-mean") | {"cap": Param(float, 8.0, **_POSITIVE)},
 }
 ALIASES = {"grpo": "ppo_clip"}
+BUILTIN_OBJECTIVES = frozenset([*OBJECTIVES, *ALIASES])
+"""vcpo's own names; ``add_objective`` adds a user's objective (and its import path, as an alias) beside them."""
 EXCLUSIVE = {"bapo": [("step", ("step_low", "step_high"))]}
 """A shortcut that sets other hyperparameters (BAPO's ``step`` sets both bounds' steps), given with any of them."""
+
+
+def add_objective(name: str, spec: dict[str, Param], aliases: tuple[str, ...] = ()) -> None:
+    """Make a user's objective known to the checks here (``vcpo.objectives.register`` calls it)."""
+    for key in (name, *aliases):
+        if key in OBJECTIVES or key in ALIASES:
+            raise ValueError(f"objective {key!r} is already registered")
+    OBJECTIVES[name] = spec
+    ALIASES.update(dict.fromkeys(aliases, name))
+
+
+def add_alias(alias: str, name: str) -> None:
+    """Let ``alias`` (an import path) name the registered objective ``name``."""
+    if ALIASES.get(alias, name) != name or alias in OBJECTIVES:
+        raise ValueError(f"objective {alias!r} is already registered")
+    ALIASES[alias] = name
 
 
 def objective_names() -> list[str]:

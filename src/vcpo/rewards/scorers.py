@@ -1,6 +1,6 @@
 """The scoring functions the reward pool's workers run, inside the sandbox and never in the trainer's process:
-a reasoning-gym dataset's own ``score_answer`` (some ``eval`` the completion, others sympy ``parse_expr`` it) and
-math-verify equivalence.
+a reasoning-gym dataset's own ``score_answer`` (some ``eval`` the completion, others sympy ``parse_expr`` it),
+math-verify equivalence, and a user's own reward function named by import path (``task.reward: module:fn``).
 
 Each scorer has a *setup* (trusted arguments, never a completion: a dataset's name and settings) that
 :func:`prepare` builds once per worker, importing the scorer's libraries on first use, so that a worker loads
@@ -16,6 +16,8 @@ from typing import Any
 from vcpo.rewards.answers import extract_answer, reference_answer
 from vcpo.rewards.protocol import setup_key
 
+REWARD_ARGUMENTS = ("completion", "answer")
+"""What a user's reward function is called with: ``fn(completion, answer) -> float`` in [0, 1]."""
 _built: dict[str, Any] = {}  # what prepare() built, by scorer and setup
 _libraries: dict[str, ModuleType] = {}
 
@@ -55,6 +57,18 @@ def _prepare_math() -> None:
         score_math(completion, answer)
 
 
+def _prepare_user(path: str) -> Any:
+    """Import a user's reward function (from the trainer's ``sys.path``, which the worker was started with)."""
+    from vcpo.plugins import load_function
+
+    return load_function(path, REWARD_ARGUMENTS)
+
+
+def score_user(completion: str, path: str, answer: str) -> float:
+    """A user's reward function ``path`` of the completion and the reference answer."""
+    return float(_built[setup_key("user", (path,))](completion, answer))
+
+
 def score_reasoning_gym(completion: str, name: str, kwargs: dict[str, Any], entry: dict[str, Any]) -> float:
     """``score_answer`` of reasoning-gym dataset ``name`` on the whitespace-stripped completion."""
     return float(_built[setup_key("reasoning_gym", (name, kwargs))].score_answer(completion.strip(), entry))
@@ -75,5 +89,5 @@ def score_math(completion: str, answer: str) -> float:
     return 1.0 if gold and guess and mv.verify(gold, guess, timeout_seconds=None) else 0.0
 
 
-_PREPARERS = {"reasoning_gym": _prepare_reasoning_gym, "math": _prepare_math}
-SCORERS = {"reasoning_gym": score_reasoning_gym, "math": score_math}
+_PREPARERS = {"reasoning_gym": _prepare_reasoning_gym, "math": _prepare_math, "user": _prepare_user}
+SCORERS = {"reasoning_gym": score_reasoning_gym, "math": score_math, "user": score_user}

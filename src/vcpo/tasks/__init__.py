@@ -21,18 +21,22 @@ _EXPORTS = {
 
 def make_task(config: TaskConfig) -> Task:
     """The task a config names: a :class:`DatasetTask` for ``jsonl`` / ``parquet``, the multi-turn :class:`ToolTask`
-    for ``tools:<dataset>``, else ``ReasoningGymTask(config.name, **config.kwargs)``; with the config's prompt format
-    (single-turn tasks), reward deadline and scoring workers. Bad settings raise TaskError (one line)."""
+    for ``tools:<dataset>``, a user's own task for an import path (``module.sub:Name(**config.kwargs)``), else
+    ``ReasoningGymTask(config.name, **config.kwargs)``; with the config's prompt format and reward (vcpo's
+    single-turn tasks), reward deadline and scoring workers. Bad settings raise TaskError (one line)."""
     from vcpo.tasks.prompts import PromptFormat
     from vcpo.tasks.records import DATASET_TASKS
     from vcpo.tasks.tool_task import TOOL_PREFIX, ToolTask
+    from vcpo.tasks.user_task import is_user_task, make_user_task
 
+    if is_user_task(config.name):
+        return make_user_task(config.name, config.kwargs)
     if config.name.startswith(TOOL_PREFIX):
         return ToolTask(config.name, reward_timeout_s=config.reward_timeout_s, reward_workers=config.reward_workers,
                         **config.kwargs)
 
     prompt_format = PromptFormat(config.prompt_format, config.system_prompt, config.instruction)
-    common = {"prompt_format": prompt_format, "reward_timeout_s": config.reward_timeout_s,
+    common = {"prompt_format": prompt_format, "reward": config.reward, "reward_timeout_s": config.reward_timeout_s,
               "reward_workers": config.reward_workers}
     if config.name in DATASET_TASKS:
         from vcpo.tasks.dataset_task import DatasetTask
@@ -40,7 +44,7 @@ def make_task(config: TaskConfig) -> Task:
         return DatasetTask(config.name, **common, **config.kwargs)
     from vcpo.tasks.reasoning_gym_task import ReasoningGymTask
 
-    return ReasoningGymTask(config.name, reward=config.reward, **common, **config.kwargs)
+    return ReasoningGymTask(config.name, **common, **config.kwargs)
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from vcpo.plugins import is_import_path
 from vcpo.rewards.pool import RewardOutcome, ScoreRequest, shared_pool
 from vcpo.tasks.base import SPLITS, TaskError
 from vcpo.tasks.prompts import PromptFormat
@@ -24,7 +25,8 @@ def in_eval_split(question: str, eval_fraction: float) -> bool:
 
 class DatasetTask:
     """Problems from a local JSONL or Parquet file, each scored 1.0 when the completion's final answer is equivalent
-    to the record's under math-verify (:func:`vcpo.rewards.math_reward`, in the sandboxed scoring pool).
+    to the record's under math-verify (:func:`vcpo.rewards.math_reward`, in the sandboxed scoring pool), or by a
+    user's ``reward`` function (an import path ``module:fn``, ``fn(completion, answer)``, in the same pool).
 
     ``path`` alone: records are held out by :func:`in_eval_split` (``eval_fraction``, default 0.1);
     ``train_path`` and ``eval_path``: one file per split. Training batches walk the train records in epochs, each
@@ -33,7 +35,7 @@ class DatasetTask:
     """
 
     def __init__(self, name: str, prompt_format: PromptFormat | None = None, reward_timeout_s: float = 5.0,
-                 reward_workers: int = 1, **kwargs: Any) -> None:
+                 reward_workers: int = 1, reward: str = "math", **kwargs: Any) -> None:
         try:
             check_dataset_kwargs(name, kwargs)
             read = {k: kwargs[k] for k in ("prompt_field", "answer_field", "answer_format") if k in kwargs}
@@ -56,6 +58,10 @@ class DatasetTask:
         self.format = prompt_format or PromptFormat()
         self.reward_timeout_s = reward_timeout_s
         self.reward_workers = reward_workers
+        if reward not in ("native", "math", "auto") and not is_import_path(reward):
+            raise TaskError(f"task.reward: {reward!r} is not math or an import path module:function")
+        # (scorer, setup) of the pool's scorers: math-verify, or the user's function by its import path
+        self.scorer: tuple[str, tuple] = ("user", (reward,)) if is_import_path(reward) else ("math", ())
 
     def _problem(self, split: str, index: int) -> Problem:
         record = self.records[split][index]
@@ -92,14 +98,16 @@ class DatasetTask:
         return [self._problem("eval", i) for i in range(min(n, len(self.records["eval"])))]
 
     def score(self, problems: list[Problem], completions: list[str]) -> list[RewardOutcome]:
-        """math-verify equivalence of each completion's final answer with its problem's, in one sandboxed batch;
+        """math-verify equivalence of each completion's final answer with its problem's (or the user's reward of it),
+        in one sandboxed batch;
         a scorer that hangs past ``reward_timeout_s`` is killed and scores 0 as ``timeout``."""
-        requests = [ScoreRequest("math", (p.answer,), c) for p, c in zip(problems, completions, strict=True)]
+        scorer, setup = self.scorer
+        requests = [ScoreRequest(scorer, (p.answer,), c, setup) for p, c in zip(problems, completions, strict=True)]
         return shared_pool(self.reward_workers).score(requests, self.reward_timeout_s)
 
     def warm_up(self) -> None:
-        """Start the scoring workers and import math-verify there, in the background."""
-        shared_pool(self.reward_workers).warm_up([ScoreRequest("math", (), "")])
+        """Start the scoring workers and import math-verify (or the user's reward) there, in the background."""
+        shared_pool(self.reward_workers).warm_up([ScoreRequest(self.scorer[0], (), "", self.scorer[1])])
 
     def reward(self, problem: Problem, completion: str) -> float:
         """:meth:`score` of one completion."""

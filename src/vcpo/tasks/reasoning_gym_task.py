@@ -13,6 +13,7 @@ from typing import Any
 import reasoning_gym
 from reasoning_gym.factory import DATASETS
 
+from vcpo.plugins import is_import_path
 from vcpo.rewards.answers import normalize_number
 from vcpo.rewards.pool import RewardOutcome, ScoreRequest, shared_pool
 from vcpo.tasks.base import SPLITS, TaskError
@@ -51,8 +52,9 @@ class ReasoningGymTask:
     repeated prompt would make held-out accuracy measure memory. The raw prompt is the question followed by
     ``"Answer: "`` (for :data:`EXPRESSION_ONLY` datasets just ``"<expression> = "``; an instruction, when set, on
     the line before the cue); in chat format the question and the instruction are the user message
-    (:class:`~vcpo.tasks.prompts.PromptFormat`). Rewards come from the dataset's scorer (``reward="native"``) or
-    math-verify against the dataset's answer (``"math"``; ``"auto"``: math when :meth:`numeric_answers`), in the
+    (:class:`~vcpo.tasks.prompts.PromptFormat`). Rewards come from the dataset's scorer (``reward="native"``),
+    math-verify against the dataset's answer (``"math"``; ``"auto"``: math when :meth:`numeric_answers`) or a user's
+    ``fn(completion, answer)`` (``reward="module:fn"``), in the
     shared sandboxed pool of ``reward_workers`` processes, each completion within ``reward_timeout_s`` seconds.
     """
 
@@ -64,9 +66,11 @@ class ReasoningGymTask:
         self.reward_workers = reward_workers
         self.format = prompt_format or PromptFormat()
         _create(name, size=1, seed=0, kwargs=self.kwargs)  # bad settings fail here, in one line
-        if reward not in ("native", "math", "auto"):
-            raise TaskError(f"task.reward: {reward!r} is not one of native, math, auto")
-        self.scorer = "math" if reward == "math" or (reward == "auto" and self.numeric_answers()) else "reasoning_gym"
+        if reward not in ("native", "math", "auto") and not is_import_path(reward):
+            raise TaskError(f"task.reward: {reward!r} is not one of native, math, auto or an import path module:fn")
+        self.reward_path = reward if is_import_path(reward) else None
+        self.scorer = ("user" if self.reward_path is not None else
+                       "math" if reward == "math" or (reward == "auto" and self.numeric_answers()) else "reasoning_gym")
 
     def numeric_answers(self) -> bool:
         """Whether every one of :data:`AUTO_REWARD_SAMPLE` answers of the dataset is a number (``-3``, ``2.5``,
@@ -118,15 +122,18 @@ class ReasoningGymTask:
         return shared_pool(self.reward_workers).score(requests, self.reward_timeout_s)
 
     def _request(self, problem: Problem, completion: str) -> ScoreRequest:
-        if self.scorer == "math":
-            return ScoreRequest("math", (problem.answer,), completion)
-        return ScoreRequest("reasoning_gym", (problem.metadata["entry"],), completion, setup=(self.name, self.kwargs))
+        if self.scorer == "reasoning_gym":
+            return ScoreRequest("reasoning_gym", (problem.metadata["entry"],), completion, self._setup())
+        return ScoreRequest(self.scorer, (problem.answer,), completion, self._setup())
+
+    def _setup(self) -> tuple:
+        """What the pool's workers build once for this task's scorer."""
+        return {"reasoning_gym": (self.name, self.kwargs), "user": (self.reward_path,), "math": ()}[self.scorer]
 
     def warm_up(self) -> None:
         """Start the scoring workers and build this dataset's scorer in them, in the background (it imports
         reasoning-gym there: seconds of CPU better spent while the trainer loads its model)."""
-        setup = ScoreRequest(self.scorer, (), "", setup=(self.name, self.kwargs) if self.scorer != "math" else ())
-        shared_pool(self.reward_workers).warm_up([setup])
+        shared_pool(self.reward_workers).warm_up([ScoreRequest(self.scorer, (), "", self._setup())])
 
     def reward(self, problem: Problem, completion: str) -> float:
         """:meth:`score` of one completion."""
