@@ -46,7 +46,7 @@ demo: $(VENV)/.demo
 lock:
 	rm -rf .lockenv && $(PYTHON) -m venv .lockenv && .lockenv/bin/pip install --quiet pip-tools==7.6.2
 	.lockenv/bin/pip-compile --quiet --strip-extras --no-emit-index-url --no-emit-find-links --find-links /opt/wheels \
-		-c requirements/torch.txt --unsafe-package torch --extra dev --extra ray --extra serve --extra parquet \
+		-c requirements/torch.txt --unsafe-package torch --unsafe-package vcpo --extra dev --extra ray --extra serve --extra parquet \
 		--extra tensorboard -o $(LOCK) pyproject.toml
 	rm -rf .lockenv
 
