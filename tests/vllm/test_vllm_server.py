@@ -112,7 +112,9 @@ def test_an_update_mid_generation_aborts_and_the_rest_is_sampled_under_the_new_w
         by_new = gap_new < gap_old  # which weights sampled each token: the ones whose log-prob it carries
         cut = int((~by_new).long().cumprod(0).sum())
         assert bool(by_new[cut:].all())  # the old weights' tokens, then only the new weights' ones
-        assert float(torch.minimum(gap_old, gap_new).max()) <= 1e-3  # logits of a few tens here: float32 rounding
+        # Each token is within 1e-2 of one model's log-prob and far from the other's (gaps of 0.05-20): float32
+        # rounding on this far-from-SFT model's large logits reaches 1.3e-3 (seen once in three runs).
+        assert float(torch.minimum(gap_old, gap_new).max()) <= 1e-2
         spanning += 0 < cut < len(g.response_ids)
         assert g.versions == sorted(g.versions) and set(g.versions) <= {0, 1}  # one version per call, in order
     assert spanning > 0  # some responses crossed the update
