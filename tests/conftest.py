@@ -58,7 +58,7 @@ def tiny(tiny_overrides) -> list[str]:
 @pytest.fixture(scope="session")
 def sft_model(tmp_path_factory, tiny_overrides) -> Path:
     """The embedded default model (tied embeddings, float32) after a few SFT steps, saved as a Hugging Face
-    directory: what tests/vllm serves with vLLM."""
+    directory: what tests/with_vllm serves with vLLM."""
     out = tmp_path_factory.mktemp("sft") / "model"
     vcpo("sft", "-c", "configs/quickstart.yaml", *tiny_overrides, "--save", str(out))
     return out

@@ -1,5 +1,5 @@
 """The server engine speaking vLLM and SGLang, against response shapes in tests/fixtures/server_shapes.json (some
-captured from vLLM 0.32, the others written from the documented schemas; tests/vllm runs the real vLLM): requests,
+captured from vLLM 0.32, the others written from the documented schemas; tests/with_vllm runs the real vLLM): requests,
 the abort-and-continue loop, version tags, the weight-update sequence and check, retries and one-line errors."""
 
 from __future__ import annotations

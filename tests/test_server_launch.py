@@ -1,4 +1,4 @@
-"""`vcpo train` starting its own inference servers (``rollout.server.launch``), here `vcpo serve` ones (tests/vllm
+"""`vcpo train` starting its own inference servers (``rollout.server.launch``), here `vcpo serve` ones (tests/with_vllm
 launches real vLLM): the run trains through them and leaves none behind, a server that cannot start is one error with
 its log's tail, and a trainer killed with SIGKILL takes its servers' whole process trees with it."""
 

@@ -18,7 +18,9 @@ import pytest
 
 from conftest import ROOT, metrics, processes_with
 
-pytestmark = pytest.mark.skipif(find_spec("vllm") is None, reason="vllm is not installed (make test-vllm)")
+VLLM = find_spec("vllm")  # a namespace match (a directory named vllm on the path) is not vLLM
+pytestmark = pytest.mark.skipif(VLLM is None or VLLM.origin in (None, "namespace"),
+                                reason="vllm is not installed (make test-vllm)")
 
 LAUNCH = "{num_servers: %d, startup_timeout_s: 400, extra_args: [--enforce-eager, --kv-cache-memory-bytes, 256M]}"
 REQUIRED_KEYS = {"step", "reward/mean", "ess/ratio", "staleness/max", "time/step_s"}
