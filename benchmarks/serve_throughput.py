@@ -1,5 +1,6 @@
-"""Rollout throughput through `vcpo serve` (HTTP, the server engine) against the in-process HF engine, and the
-time of one weight update through the servers (safetensors directory + pause, update_weights, resume).
+"""Rollout throughput through `vcpo serve` or vLLM (HTTP, the server engine) against the in-process HF engine, and
+the time of one weight update through the servers (safetensors directory + pause, update, resume, and for vLLM the
+weight check); with vLLM also the log-prob gap to the Hugging Face model per sampling setting.
 
 Both sample the same batches (random-initialised Llama models built locally, one torch thread per process) at
 temperature 1 for up to ``max_new_tokens`` tokens; tokens/s counts the response tokens actually generated (a
@@ -8,23 +9,21 @@ setup give the median tokens/s of each and the median of the per-round ratios, t
 
     python benchmarks/serve_throughput.py                         # default model and a 20M Llama, 1 and 2 servers
     python benchmarks/serve_throughput.py --setups default --repeats 5
+    python benchmarks/serve_throughput.py --kind vllm --python .venv-vllm/bin/python --servers 1
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from vcpo.config import LaunchConfig
 from vcpo.models.default import (
     BASE_CHARACTERS,
     HIDDEN_SIZE,
@@ -35,7 +34,8 @@ from vcpo.models.default import (
 )
 from vcpo.models.loading import load_policy
 from vcpo.rollout import HFRolloutEngine
-from vcpo.rollout.server import ServerRolloutEngine, ServerWeightPublisher
+from vcpo.rollout.launch import LaunchedServers
+from vcpo.rollout.server import ServerRolloutEngine, ServerWeightPublisher, WeightCheck
 from vcpo.rollout.server_pool import ServerPool
 from vcpo.rollout.weights import write_weights_dir
 from vcpo.runtime import configure_cpu
@@ -59,24 +59,7 @@ def save_model(out: Path, hidden: int, layers: int, heads: int, mlp: int) -> Pat
     return out
 
 
-def start_servers(model_dir: Path, count: int) -> list[tuple[str, subprocess.Popen]]:
-    procs = []
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    for port in range(18931, 18931 + count):
-        proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "serve", str(model_dir), "--port", str(port)],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append((f"http://127.0.0.1:{port}", proc))
-    for url, proc in procs:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"vcpo serve at {url} did not start") from None
-            time.sleep(0.2)
-    return procs
+VLLM_ARGS = ["--enforce-eager", "--kv-cache-memory-bytes", "1G"]
 
 
 def timed(fn) -> tuple[float, int]:
@@ -85,7 +68,27 @@ def timed(fn) -> tuple[float, int]:
     return time.perf_counter() - t0, tokens
 
 
-def run_setup(name: str, repeats: int, servers: int, workdir: Path) -> None:
+def processed_gap(model, prompts, gens, sampling: SamplingParams, greedy: bool) -> float:
+    """max |server log-prob - log mu(token)|, mu = softmax(logits / T) restricted to the top-p set (greedy: T = 1)."""
+    gap = 0.0
+    for prompt, g in zip(prompts, gens, strict=True):
+        if not g.response_ids:
+            continue
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + g.response_ids])).logits[0, len(prompt) - 1 : -1].float()
+        if not greedy:
+            logits = logits / sampling.temperature
+            if sampling.top_p < 1:
+                probs, order = torch.softmax(logits, -1).sort(-1, descending=True)
+                keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, probs.cumsum(-1) - probs
+                                                                          < sampling.top_p)
+                logits = logits.masked_fill(~keep, float("-inf"))
+        logq = torch.log_softmax(logits, -1).gather(1, torch.tensor(g.response_ids)[:, None]).squeeze(1)
+        gap = max(gap, float((logq - torch.tensor(g.behavior_logprobs)).abs().max()))
+    return gap
+
+
+def run_setup(name: str, repeats: int, servers: int, workdir: Path, kind: str, python: str | None) -> None:
     hidden, layers, heads, mlp, rows, prompt_len, new_tokens = SETUPS[name]
     model_dir = save_model(workdir / name, hidden, layers, heads, mlp)
     model, tokenizer = load_policy(model_dir)
@@ -95,12 +98,19 @@ def run_setup(name: str, repeats: int, servers: int, workdir: Path) -> None:
              for n in torch.randint(prompt_len // 2, prompt_len + 1, (rows,), generator=g)]
     sampling = SamplingParams(max_new_tokens=new_tokens)
     local = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
-    procs = start_servers(model_dir, servers)
-    try:
-        pool = ServerPool([u for u, _ in procs])
-        remote = ServerRolloutEngine(pool, ServerWeightPublisher(pool, workdir / f"{name}-{servers}-weights"))
+    launch = LaunchConfig(num_servers=servers, python=python, extra_args=VLLM_ARGS if kind == "vllm" else [],
+                          env={"OMP_NUM_THREADS": "1"} if kind == "vcpo" else {})
+    t_start = time.perf_counter()
+    with LaunchedServers(launch, kind, model_dir, "float32", workdir / f"{name}-{servers}-logs") as launched:
+        urls = launched.wait_healthy()
+        startup_s = time.perf_counter() - t_start
+        pool = ServerPool(urls, kind)
+        check = WeightCheck(model, WeightCheck.probe(len(tokenizer)), 1e-3) if kind == "vllm" else None
+        publisher = ServerWeightPublisher(pool, workdir / f"{name}-{servers}-weights", check=check)
+        remote = ServerRolloutEngine(pool, publisher)
+        remote.load_weights(model.state_dict(), 0)
         print(f"[{name}] {n_params / 1e6:.2f}M parameters, {rows} rows, prompts of {prompt_len // 2}-{prompt_len} "
-              f"tokens, up to {new_tokens} new tokens; {servers} server(s)")
+              f"tokens, up to {new_tokens} new tokens; {servers} {kind} server(s), healthy after {startup_s:.0f} s")
         for fn in (lambda: local.generate(batch, sampling), lambda: remote.generate(batch, sampling)):
             fn()  # warm-up
         local_tps, remote_tps, ratios = [], [], []
@@ -111,9 +121,9 @@ def run_setup(name: str, repeats: int, servers: int, workdir: Path) -> None:
             local_tps.append(n_local / t_local)
             remote_tps.append(n_remote / t_remote)
             ratios.append(remote_tps[-1] / local_tps[-1])
-            print(f"  round {r}: in-process {local_tps[-1]:,.0f} tok/s, through vcpo serve {remote_tps[-1]:,.0f} tok/s")
-        print(f"[{name}] in-process {statistics.median(local_tps):,.0f} tok/s; through {servers} vcpo serve "
-              f"{statistics.median(remote_tps):,.0f} tok/s; serve/in-process ratio {statistics.median(ratios):.2f}")
+            print(f"  round {r}: in-process {local_tps[-1]:,.0f} tok/s, through {kind} {remote_tps[-1]:,.0f} tok/s")
+        print(f"[{name}] in-process {statistics.median(local_tps):,.0f} tok/s; through {servers} {kind} "
+              f"{statistics.median(remote_tps):,.0f} tok/s; server/in-process ratio {statistics.median(ratios):.2f}")
         state = model.state_dict()
         update_s = []
         for v in range(1, repeats + 2):
@@ -125,14 +135,28 @@ def run_setup(name: str, repeats: int, servers: int, workdir: Path) -> None:
             t0 = time.perf_counter()
             write_weights_dir(workdir / f"{name}-write", state, v)
             write_s.append(time.perf_counter() - t0)
-        print(f"[{name}] weight update per step (write + pause, update_weights, resume on {servers}): median "
+        checked = "" if check is None else ", weight check"
+        print(f"[{name}] weight update per step (write + pause, update, resume{checked} on {servers}): median "
               f"{statistics.median(update_s[1:]) * 1e3:.0f} ms (of which writing the directory "
               f"{statistics.median(write_s) * 1e3:.0f} ms)")
+        if check is not None:
+            publisher.check = None
+            unchecked_s = []
+            for v in range(repeats + 2, 2 * repeats + 3):
+                t0 = time.perf_counter()
+                remote.load_weights(state, v)
+                unchecked_s.append(time.perf_counter() - t0)
+            print(f"[{name}] the same without the weight check: median {statistics.median(unchecked_s) * 1e3:.0f} ms")
+        if kind == "vllm":
+            for temperature, top_p, greedy in [(1.0, 1.0, False), (0.7, 1.0, False), (1.0, 0.9, False),
+                                               (1.0, 1.0, True)]:
+                setting = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=new_tokens)
+                gens = remote.generate(batch, setting, greedy=greedy)
+                label = "greedy" if greedy else f"T={temperature:g} top_p={top_p:g}"
+                print(f"[{name}] vLLM vs HF log-probs, {label}: max |gap| "
+                      f"{processed_gap(model, batch, gens, setting, greedy):.2e} over "
+                      f"{sum(len(g.response_ids) for g in gens)} tokens")
         pool.close()
-    finally:
-        for _, proc in procs:
-            proc.terminate()
-            proc.wait(timeout=30)
 
 
 def main() -> None:
@@ -140,12 +164,14 @@ def main() -> None:
     parser.add_argument("--setups", default="default,large")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--servers", default="1,2", help="server counts to measure, comma-separated")
+    parser.add_argument("--kind", default="vcpo", choices=["vcpo", "vllm"])
+    parser.add_argument("--python", default=None, help="the interpreter that has the server (vLLM: .venv-vllm)")
     args = parser.parse_args()
     configure_cpu(1)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.setups.split(","):
             for count in map(int, args.servers.split(",")):
-                run_setup(name, args.repeats, count, Path(tmp))
+                run_setup(name, args.repeats, count, Path(tmp), args.kind, args.python)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,15 @@ def tiny(tiny_overrides) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def sft_model(tmp_path_factory, tiny_overrides) -> Path:
+    """The embedded default model (tied embeddings, float32) after a few SFT steps, saved as a Hugging Face
+    directory: what tests/with_vllm serves with vLLM."""
+    out = tmp_path_factory.mktemp("sft") / "model"
+    vcpo("sft", "-c", "configs/quickstart.yaml", *tiny_overrides, "--save", str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
 def lagged_full(tmp_path_factory, tiny) -> Path:
     """An uninterrupted ``LAGGED`` run: the reference that interrupted and resumed runs must reproduce."""
     run_dir = tmp_path_factory.mktemp("lagged") / "full"

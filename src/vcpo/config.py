@@ -144,11 +144,29 @@ class SFTConfig(_Strict):
     """Where the warm-started default model is cached, keyed by its settings."""
 
 
+class LaunchConfig(_Strict):
+    """Inference servers that ``vcpo train`` starts and stops itself (docs/server.md): ``rollout.server.kind``
+    (``vllm`` or ``vcpo``) on the run's model, bound to 127.0.0.1 on free ports, with the learner's dtype."""
+
+    num_servers: int = Field(1, ge=1, le=16)
+    python: str | None = None
+    """The Python interpreter of the environment that has the server (e.g. ``.venv-vllm/bin/python``); None = this
+    one."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Appended to each server's start command, e.g. ``[--enforce-eager, --kv-cache-memory-bytes, 1G]``."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables of each server (e.g. ``OMP_NUM_THREADS``)."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long each server may take to answer ``/health``; then the run stops and prints its log's tail."""
+
+
 class ServerConfig(_Strict):
     """Inference servers for ``rollout.engine: server`` (docs/server.md)."""
 
     urls: list[str] = Field(default_factory=list)
     """Base URLs, e.g. ``http://127.0.0.1:8000``; prompts are spread over the servers that answer."""
+    launch: LaunchConfig | None = None
+    """Start the servers with the run instead (``urls`` then stays empty); None = use ``urls``."""
     kind: Literal["vcpo", "vllm", "sglang"] = "vcpo"
     """What the servers are: ``vcpo serve``, vLLM or SGLang (each has its own weight-update call)."""
     model: str | None = None
@@ -167,6 +185,9 @@ class ServerConfig(_Strict):
     """Retries of a call that failed in transport or with a 5xx; then the server is skipped from then on."""
     retry_backoff_s: float = Field(0.5, ge=0)
     """Wait before the first retry; doubled before each next one."""
+    weight_check_tol: float | None = Field(1e-3, gt=0)
+    """After each update every server scores a fixed 16-token sequence; a log-prob further than this from the
+    learner's stops the run (vLLM only; raise it for bfloat16 weights). None = no check."""
 
     @field_validator("urls")
     @classmethod
@@ -175,6 +196,15 @@ class ServerConfig(_Strict):
             if not re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", url):
                 raise ValueError(f"{url!r} is not a base URL like http://127.0.0.1:8000")
         return v
+
+    @model_validator(mode="after")
+    def _one_source_of_servers(self) -> ServerConfig:
+        if self.launch is not None and self.urls:
+            raise ValueError("rollout.server.launch starts the servers itself: leave rollout.server.urls empty")
+        if self.launch is not None and self.kind == "sglang":
+            raise ValueError("rollout.server.launch starts vllm or vcpo servers, not sglang (start it yourself and "
+                             "name it in rollout.server.urls)")
+        return self
 
 
 class RolloutConfig(_Strict):
@@ -467,8 +497,10 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _servers_named(self) -> Config:
-        if self.rollout.engine == "server" and not self.rollout.server.urls:
-            raise ValueError("rollout.engine=server needs rollout.server.urls (a list of base URLs)")
+        server = self.rollout.server
+        if self.rollout.engine == "server" and not server.urls and server.launch is None:
+            raise ValueError("rollout.engine=server needs rollout.server.urls (a list of base URLs) or "
+                             "rollout.server.launch (servers the run starts)")
         return self
 
     @model_validator(mode="after")

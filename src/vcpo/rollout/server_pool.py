@@ -28,8 +28,10 @@ class ServerDown(ServerError):
 class ServerPool:
     """HTTP access to ``urls`` of one ``kind``; a server that stays down is skipped from then on.
 
-    Transport errors and 5xx answers are retried ``retries`` times with a doubling backoff, then the server is
-    marked down (a warning line on stderr); a 4xx answer is the caller's mistake and raises at once.
+    Only a server that does not answer is down: transport errors (refused or reset connections, timeouts) are
+    retried ``retries`` times with a doubling backoff, then the server is marked down (a warning line on stderr).
+    A server that answers with an error status (4xx or 5xx) refused deterministically: one ``ServerError`` at once,
+    naming the server, the route and the server's own message.
     """
 
     def __init__(self, urls: list[str], kind: str = "vcpo", *, model: str | None = None, connect_timeout_s: float = 5.0,
@@ -44,6 +46,7 @@ class ServerPool:
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         self._down: set[str] = set()
+        self._versions: dict[str, str | None] = {}
         self._lock = threading.Lock()
         # ``transport``: tests answer with recorded vLLM / SGLang shapes (httpx.MockTransport)
         self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
@@ -76,16 +79,14 @@ class ServerPool:
             except httpx.TransportError as exc:
                 reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 continue
-            if response.status_code >= 500:
-                reason = f"HTTP {response.status_code} on {call.path}: {_message(response)}"
-                continue
             if response.status_code >= 400:
-                raise ServerError(f"rollout server {url} refused {call.path} "
+                raise ServerError(f"rollout server {url} ({self.api.kind}) refused {call.route} "
                                   f"(HTTP {response.status_code}): {_message(response)}")
             try:
                 body = response.json()
             except ValueError:
-                raise ServerError(f"rollout server {url} answered {call.path} with something other than JSON") from None
+                raise ServerError(f"rollout server {url} answered {call.route} with something other than "
+                                  f"JSON") from None
             try:
                 self.api.check(call, body)
             except ServerResponseError as exc:
@@ -96,18 +97,20 @@ class ServerPool:
 
     def update_all(self, path: str, version: int, abort: bool = True) -> None:
         """Every live server pauses (in-flight requests aborted, or finished when not ``abort``), loads ``path`` as
-        ``version`` and resumes (in a ``finally``: a failed update never leaves a server paused). Servers found down
-        are skipped; any other failure raises once every server has resumed."""
+        ``version`` and resumes (also after a failed pause or update: a failed update never leaves a server paused).
+        Servers found down are skipped; any other failure raises once every server has resumed."""
         def update_one(url: str) -> None:
+            self.check_version(url)
             try:
                 for call in self.api.pause(abort):
                     self.call(url, call, self.control_timeout_s)
                 for call in self.api.update(path, version):
                     self.call(url, call, self.control_timeout_s)
-            finally:
-                if url not in self._down:
-                    for call in self.api.resume():
-                        self.call(url, call, self.control_timeout_s)
+            except BaseException:
+                self._resume_after_failure(url)
+                raise
+            for call in self.api.resume():
+                self.call(url, call, self.control_timeout_s)
 
         live = self.live()
         with ThreadPoolExecutor(len(live)) as pool:
@@ -117,6 +120,39 @@ class ServerPool:
         if hard:
             raise hard[0]
         self.live()  # raises when the update found every server down
+
+    def _resume_after_failure(self, url: str) -> None:
+        """Resume ``url`` after a failed pause or update, best effort: the update's own error is the one reported,
+        and a server that went down stays down. Transport errors are retried like any call (a server may close its
+        connection after an error answer), without marking the server down."""
+        for call in self.api.resume():
+            for attempt in range(self.retries + 1):
+                if attempt:
+                    time.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+                try:
+                    self._client.request(call.method, url + call.path, json=call.json, params=call.params,
+                                         timeout=self.control_timeout_s)
+                    break
+                except httpx.TransportError:
+                    continue
+
+    def check_version(self, url: str) -> None:
+        """Ask ``url`` once for its version (vLLM's ``/version``) and raise one line when its kind does not support
+        it; kinds without a version route pass."""
+        if url in self._versions:
+            return
+        probe = self.api.version_call()
+        if probe is None:
+            self._versions[url] = None
+            return
+        try:
+            self._versions[url] = self.api.check_version(self.call(url, probe, self.control_timeout_s))
+        except ServerResponseError as exc:
+            raise ServerError(f"rollout server {url}: {exc}") from None
+
+    def version_of(self, url: str) -> str | None:
+        """The server version ``check_version`` read (None when not asked or the kind has none)."""
+        return self._versions.get(url)
 
     def close(self) -> None:
         self._client.close()

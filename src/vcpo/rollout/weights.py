@@ -35,23 +35,27 @@ def distinct_tensors(state_dict: Mapping[str, Tensor]) -> Iterator[tuple[str, Te
             yield key, value
 
 
-def _unaliased(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Host copies of the distinct tensors (tied embeddings under their first name only)."""
-    return {key: value.detach().to("cpu").contiguous() for key, value in distinct_tensors(state_dict)}
+def _host_copies(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Host copies of every entry, an alias (tied embeddings) written under its own name as a copy of the tensor it
+    shares: a server that reloads parameter by parameter (vLLM's ``reload_weights``) would otherwise keep a tied LM
+    head's start-up values while the embeddings move on. safetensors refuses shared memory, hence the copies."""
+    distinct = {key for key, _ in distinct_tensors(state_dict)}
+    return {key: (value.detach().to("cpu").contiguous() if key in distinct else value.detach().to("cpu").clone())
+            for key, value in state_dict.items()}
 
 
 def write_weights_dir(root: str | Path, state_dict: Mapping[str, Tensor], version: int, keep_last: int = 2,
                       extra_files: Sequence[str | Path] = ()) -> Path:
-    """Write ``root/v{version:08d}/model.safetensors`` (plus ``extra_files``, e.g. config.json) atomically: into a
-    temporary directory renamed into place, so a server never reads a half-written version. Keeps this version and
-    the ``keep_last - 1`` before it; removes older ones and any above it (left by a run resumed from an earlier
-    checkpoint). Returns the directory."""
+    """Write ``root/v{version:08d}/model.safetensors`` (every key of ``state_dict``, tied ones included, plus
+    ``extra_files``, e.g. config.json) atomically: into a temporary directory renamed into place, so a server never
+    reads a half-written version. Keeps this version and the ``keep_last - 1`` before it; removes older ones and any
+    above it (left by a run resumed from an earlier checkpoint). Returns the directory."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{version:08d}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}-tmp-"))
     try:
-        save_file(_unaliased(state_dict), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(_host_copies(state_dict), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for extra in extra_files:
             shutil.copy2(extra, tmp / Path(extra).name)
         tmp.chmod(0o755)

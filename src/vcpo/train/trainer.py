@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from vcpo.config import Config
+from vcpo.config import Config, ServerConfig
 from vcpo.errors import DiskError, RunFailed, RunInterrupted, signal_name
 from vcpo.metrics import METRICS_FILE, MetricsLogger, truncate_metrics
 from vcpo.models.loading import load_policy
@@ -90,9 +90,11 @@ def tool_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     }
 
 
-def make_source(config: Config, learner: Learner, tokenizer, task, model_path: Path, backend=None) -> RolloutSource:
-    """The run's rollout source: sync, lagged or async, wrapped in TBA's replay buffer when it is on."""
-    source = _generating_source(config, learner, tokenizer, task, model_path, backend)
+def make_source(config: Config, learner: Learner, tokenizer, task, model_path: Path, backend=None,
+                servers: ServerConfig | None = None) -> RolloutSource:
+    """The run's rollout source: sync, lagged or async, wrapped in TBA's replay buffer when it is on. ``servers``:
+    ``rollout.server`` with the URLs of the servers the run launched (default: ``rollout.server`` itself)."""
+    source = _generating_source(config, learner, tokenizer, task, model_path, backend, servers or config.rollout.server)
     replay = config.async_.replay
     if not replay.enabled:
         return source
@@ -103,11 +105,12 @@ def make_source(config: Config, learner: Learner, tokenizer, task, model_path: P
     return ReplaySource(source, buffer, replay.groups_per_step or config.rollout.prompts_per_step)
 
 
-def _generating_source(config: Config, learner: Learner, tokenizer, task, model_path: Path, backend) -> RolloutSource:
+def _generating_source(config: Config, learner: Learner, tokenizer, task, model_path: Path, backend,
+                       server: ServerConfig) -> RolloutSource:
     rc = config.rollout
     sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens)
     mode = config.async_.mode
-    servers = _server_engine(config, model_path) if rc.engine == "server" else None
+    servers = _server_engine(config, server, model_path, learner.model, tokenizer) if rc.engine == "server" else None
     if mode == "async":
         from vcpo.orchestration.async_local import AsyncSource, WorkerSpec
 
@@ -119,7 +122,7 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
             torch_threads=config.runtime.torch_threads, reward_timeout_s=config.task.reward_timeout_s,
             reward_workers=config.task.reward_workers, parent_pid=os.getpid(),
             handoff_timeout_s=config.async_.handoff_timeout_s,
-            server=None if servers is None else rc.server.model_dump(),
+            server=None if servers is None else server.model_dump(),
             task_options=config.task.model_dump(exclude={"name", "kwargs", "reward_timeout_s", "reward_workers"}),
         )
         if backend is not None:  # Ray: rollout actors (vcpo.orchestration.ray)
@@ -139,15 +142,17 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
     return LaggedSource(engine, ctx, config.async_.generation_bound(), remote_model)
 
 
-def _server_engine(config: Config, model_path: Path):
-    """The inference-server engine of ``rollout.server``, publishing into ``weights_dir`` (docs/server.md)."""
-    from vcpo.rollout.server import server_engine
+def _server_engine(config: Config, sc: ServerConfig, model_path: Path, model: torch.nn.Module, tokenizer):
+    """The inference-server engine of ``sc``, publishing into ``weights_dir`` and checking after each update that
+    every server gives a fixed sequence the learner's log-probs (docs/server.md)."""
+    from vcpo.rollout.server import WeightCheck, server_engine
 
-    sc = config.rollout.server
     weights_dir = sc.weights_dir or str(Path(config.run_dir) / "server_weights")
     extra = [p for p in (model_path / "config.json", model_path / "generation_config.json") if p.is_file()]
+    vocab = min(int(model.config.vocab_size), len(tokenizer))  # ids both the model and the server's tokenizer know
+    check = None if sc.weight_check_tol is None else WeightCheck(model, WeightCheck.probe(vocab), sc.weight_check_tol)
     return server_engine(sc, weights_dir=weights_dir, extra_files=extra, abort=config.async_.inflight_updates
-                         or config.async_.mode != "async")
+                         or config.async_.mode != "async", check=check)
 
 
 def _progress(enabled: bool) -> Progress:
@@ -266,7 +271,9 @@ class _Job:
         return self.eval_metrics["eval/accuracy"]
 
     def run(self, model_path: Path) -> dict[str, Any]:
+        launched = None
         try:
+            launched = self.launch_servers(model_path)  # they start up while the model is evaluated
             if self.initial_accuracy is None:
                 say(f"evaluating the starting model on {len(self.eval_problems)} held-out problems before step 1")
                 t0 = time.perf_counter()
@@ -277,7 +284,14 @@ class _Job:
                 n = self.config.async_.num_workers
                 say(f"starting {n} rollout worker{'s' if n > 1 else ''}: each loads the model and the task's scorer "
                     f"before step 1's first batch (seconds to a minute on a CPU)")
-            self.source = make_source(self.config, self.learner, self.tokenizer, self.task, model_path, self.backend)
+            servers = None
+            if launched is not None:
+                with self.signals.interruptible():
+                    urls = launched.wait_healthy()
+                say(f"rollout servers up: {', '.join(urls)} (logs in {launched.log_dir})")
+                servers = self.config.rollout.server.model_copy(update={"urls": urls, "launch": None})
+            self.source = make_source(self.config, self.learner, self.tokenizer, self.task, model_path, self.backend,
+                                      servers)
             if "source" in self.state:
                 self.source.load_state(self.state["source"])
             with (
@@ -310,7 +324,19 @@ class _Job:
         finally:
             if self.source is not None:
                 self.source.close()
+            if launched is not None:
+                launched.stop()
         return self.finish("completed")
+
+    def launch_servers(self, model_path: Path):
+        """The inference servers of ``rollout.server.launch``, started (not yet healthy), or None."""
+        rc = self.config.rollout
+        if rc.engine != "server" or rc.server.launch is None:
+            return None
+        from vcpo.rollout.launch import LaunchedServers
+
+        return LaunchedServers(rc.server.launch, rc.server.kind, model_path, self.config.model.dtype,
+                               self.run_dir / "server_logs").start()
 
     def loop(self, logger: MetricsLogger, bar: Progress) -> None:
         tc, learner = self.config.trainer, self.learner
