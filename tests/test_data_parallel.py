@@ -82,8 +82,9 @@ def test_two_ranks_take_the_same_step_as_one_learner(two_ranks, name):
     dp_metrics, dp_after, dp_grads = two_ranks[name]
     for ref, dp in zip(ref_grads, dp_grads, strict=True):  # the all-reduced gradient is the global one
         assert float((dp - ref).norm()) <= 1e-6 * float(ref.norm()) + 1e-12
-    for key, ref in ref_after.items():  # and the update applied to it the same
-        assert float((dp_after[key] - ref).norm()) <= 1e-6 * float(ref.norm()), key
+    for key, ref in ref_after.items():  # and the update applied to it the same, to Adam's amplification of the
+        # gradients' rounding (it divides by sqrt(v): 2.7e-6 relative seen on an AMD EPYC VM, within 1e-6 elsewhere)
+        assert float((dp_after[key] - ref).norm()) <= 1e-5 * float(ref.norm()), key
     assert ref_metrics["grad_norm"] > 0.05  # clipping acted: the all-reduce came before it
     for key in ("grad_norm", "ess/ratio", "adv/abs_mean", "lr"):
         assert dp_metrics[key] == pytest.approx(ref_metrics[key], rel=1e-6), key

@@ -202,7 +202,7 @@ def test_broadcast_gives_every_actor_rank_0s_weights_exactly_and_forms_again_aft
     from vcpo.orchestration.worker import WorkerSpec
 
     config = load_config(None, ["async.backend=ray", "async.mode=async", "async.num_workers=2", "async.max_staleness=1",
-                                "ray.weight_sync=broadcast", "ray.timeout_s=30", "ray.max_restarts=1",
+                                "ray.weight_sync=broadcast", "ray.timeout_s=90", "ray.max_restarts=1",
                                 "trainer.lr=1e-2", "trainer.weight_decay=0.1",  # moves the weights whatever the rewards
                                 f"run_dir={tmp_path / 'run'}"])
     path = build_default_model(make_task(config.task), 0, tmp_path / "model")
@@ -253,7 +253,7 @@ def test_weight_broadcast_through_the_cli(cluster, tmp_path):
          "task.eval_size=8", "trainer.eval_every=0", "trainer.checkpoint_every=0", "logging.progress=false",
          f"trainer.max_steps={steps}", "async.mode=async", "async.backend=ray", "async.num_workers=2",
          f"async.max_staleness={k}", "async.inflight_updates=true", "trainer.num_learners=2",
-         "ray.weight_sync=broadcast", "ray.timeout_s=60", f"ray.address={cluster}")
+         "ray.weight_sync=broadcast", "ray.timeout_s=120", f"ray.address={cluster}")
     lines = metrics(run)
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     for m in lines:
