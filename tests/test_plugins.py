@@ -23,6 +23,7 @@ from vcpo.objectives import (
     registry,
 )
 from vcpo.plugins import PluginError, is_import_path, load_object
+from vcpo.rewards.pool import close_shared_pools
 from vcpo.tasks import make_task
 from vcpo.tasks.tool_task import TOOL_PREFIX
 from vcpo.tasks.user_task import is_user_task
@@ -193,19 +194,19 @@ def test_a_task_by_import_path_is_built_with_its_kwargs_and_checked_at_load(modu
 
 def test_a_users_reward_scores_a_jsonl_dataset_in_the_sandboxed_pool(modules, tmp_path):
     tmp_path.chmod(0o755)  # run as root, the scorer drops to a uid of its own, which must read the module's directory
+    # The process-wide scoring pool reads only what sys.path held when it started (as a trainer's does): another
+    # test's pool would not see this test's module directory.
+    close_shared_pools()
     data = tmp_path / "words.jsonl"
     data.write_text("".join(f'{{"prompt": "say {w}", "answer": "{w}"}}\n' for w in ("ab", "cd", "ef", "gh")))
-    # A generous deadline where the reward must finish (the sandboxed worker imports the module within it, slow on a
-    # loaded machine), a short one where it must not.
     base = ["task.name=jsonl", f"task.kwargs.train_path={data}", f"task.kwargs.eval_path={data}",
-            "task.reward_timeout_s=60"]
+            "task.reward_timeout_s=2"]
     task = make_task(load_config(None, [*base, f"task.reward={modules['rew']}:first_char"]).task)
     problems = task.problems("eval", 2, seed=0)  # answers ab, cd
     assert [(o.reward, o.status) for o in task.score(problems, ["a!", "x"])] == [(1.0, "ok"), (0.0, "ok")]
     raising = make_task(load_config(None, [*base, f"task.reward={modules['rew']}:raises"]).task)
     assert [o.status for o in raising.score(problems, ["a", "c"])] == ["error", "error"]
-    hanging = make_task(load_config(None, [*base, "task.reward_timeout_s=2",
-                                           f"task.reward={modules['rew']}:hangs"]).task)
+    hanging = make_task(load_config(None, [*base, f"task.reward={modules['rew']}:hangs"]).task)
     assert [(o.reward, o.status) for o in hanging.score(problems[:1], ["a"])] == [(0.0, "timeout")]
     for reward, message in [("first_char", "must be native, math, auto, or an import path"),
                             (f"{modules['rew']}:time", "is module"),

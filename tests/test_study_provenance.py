@@ -42,10 +42,6 @@ def test_metrics_digest_ignores_wall_clock_only():
     same_but_slower = [{"step": 1, "reward/mean": 0.25, "time/step_s": 9.9}, {"step": 2, "reward/mean": 0.5}]
     last_bit = [{"step": 1, "reward/mean": 0.25}, {"step": 2, "reward/mean": 0.5000000000000001}]
     assert metrics_digest(run) == metrics_digest(same_but_slower) != metrics_digest(last_bit)
-    # A rerun is digested over the committed run's keys: a metric added since is no change, a changed one is.
-    with_new_key = [{**r, "eval/problems": 500} for r in run]
-    assert metrics_digest(with_new_key, {"step", "reward/mean"}) == metrics_digest(run) != metrics_digest(with_new_key)
-    assert metrics_digest(last_bit, {"step", "reward/mean"}) != metrics_digest(run)
 
 
 def test_git_state_commit_and_dirty_flag(tmp_path):

@@ -168,6 +168,9 @@ class ScoringPool:
         for worker in self._all:
             self._idle.put(worker)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="vcpo-reward")  # long-lived: see _run
+        # Replacements of workers killed at a deadline start on a thread of their own: on the executor's threads they
+        # could queue behind jobs that wait for an idle worker, which only the replacement provides (a deadlock).
+        self._reviver = ThreadPoolExecutor(1, thread_name_prefix="vcpo-reward-revive")
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._setups: dict[str, ScoreRequest] = {}  # every scorer setup asked for: each worker prepares them all
@@ -223,7 +226,7 @@ class ScoringPool:
     def _release(self, worker: _Worker) -> None:
         if worker.jail is None and not self.closed:  # killed at a deadline: start its replacement right away
             try:
-                self._executor.submit(self._revive, worker)
+                self._reviver.submit(self._revive, worker)
                 return
             except RuntimeError:  # the pool is shutting down
                 pass
@@ -246,7 +249,8 @@ class ScoringPool:
         if self.closed:
             return
         self.closed = True
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=True)  # its jobs may wait for a replacement: the reviver stops after them
+        self._reviver.shutdown(wait=True)
         for worker in self._all:
             worker.stop()
 

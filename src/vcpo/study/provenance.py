@@ -61,16 +61,15 @@ def git_state(where: str | Path | None = None) -> dict[str, Any]:
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
-def metrics_digest(records: list[dict[str, Any]], keys: set[str] | None = None) -> str:
-    """SHA-256 (16 hex digits) of a run's metrics without its wall-clock keys (``time/*``); ``keys``: only these
-    (a rerun is digested over the committed run's keys, so that a metric added since does not count as a change).
+def metrics_digest(records: list[dict[str, Any]]) -> str:
+    """SHA-256 (16 hex digits) of a run's metrics without its wall-clock keys (``time/*``).
 
     JSON writes floats with the shortest repr that round-trips, so two runs share a digest exactly when
     every deterministic metric of every step is bit for bit the same (lagged mode on one machine type).
     """
     digest = hashlib.sha256()
     for record in records:
-        kept = {k: v for k, v in record.items() if not k.startswith(TIME_PREFIX) and (keys is None or k in keys)}
+        kept = {k: v for k, v in record.items() if not k.startswith(TIME_PREFIX)}
         digest.update(json.dumps(kept, sort_keys=True).encode() + b"\n")
     return digest.hexdigest()[:16]
 

@@ -99,8 +99,7 @@ def rerun_cell(cell_dir: str | Path, out_dir: str | Path, steps: int | None = No
         [r for r in committed if r["step"] <= (steps or full_steps)], rerun)
     committed_digest = (record or {}).get("metrics_digest")
     if committed_digest and (steps is None or steps == full_steps):
-        committed_keys = {k for r in committed for k in r}
-        result["digest"] = {"committed": committed_digest, "rerun": metrics_digest(rerun, committed_keys)}
+        result["digest"] = {"committed": committed_digest, "rerun": metrics_digest(rerun)}
     digest_ok = "digest" not in result or result["digest"]["committed"] == result["digest"]["rerun"]
     result["identical"] = result["mismatches"] == 0 and digest_ok
     (out / COMPARE_FILE).write_text(json.dumps(result, indent=2) + "\n")
