@@ -1,15 +1,12 @@
 """Fails when the environment holds a package that requirements/lock.txt does not pin, or another version of one
 that it does: a dependency added to pyproject.toml without `make lock` would otherwise install unpinned."""
 
-import re
 import sys
 from importlib.metadata import distributions
 
+from packaging.utils import canonicalize_name
+
 UNPINNED = {"vcpo", "torch", "pip", "setuptools", "wheel"}  # the package itself, the CPU torch, the installers
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def main(lock_path: str) -> int:
@@ -17,10 +14,10 @@ def main(lock_path: str) -> int:
     for line in open(lock_path):
         if "==" in line and not line.lstrip().startswith("#"):
             name, version = line.split("#")[0].strip().split("==")
-            pins[canonical(name)] = version
+            pins[canonicalize_name(name)] = version
     problems = []
     for dist in distributions():
-        name = canonical(dist.metadata["Name"])
+        name = canonicalize_name(dist.metadata["Name"])
         if name in UNPINNED:
             continue
         if name not in pins:

@@ -7,6 +7,7 @@ rollouts, as in PipelineRL), so one response can span versions.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -26,20 +27,18 @@ WeightPoll = Callable[[], tuple[int, Mapping[str, Tensor]] | None]
 def cache_kwarg(module: nn.Module, past: Any) -> dict[str, Any]:
     """The KV cache as a forward keyword: ``cache`` where the model's forward takes it (transformers 5.2x renamed
     it and deprecates ``past_key_values``, to be removed in 5.40), ``past_key_values`` in earlier releases."""
-    name = _CACHE_KWARG.get(type(module))
-    if name is None:
-        name = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
-        _CACHE_KWARG[type(module)] = name
-    return {name: past}
+    return {_cache_kwarg_name(type(module)): past}
+
+
+@functools.cache
+def _cache_kwarg_name(module_type: type) -> str:
+    return "cache" if "cache" in inspect.signature(module_type.forward).parameters else "past_key_values"
 
 
 def returned_cache(out: Any) -> Any:
     """The updated KV cache of a forward's output, under either of transformers' names (see ``cache_kwarg``)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else getattr(out, "past_key_values", None)
-
-
-_CACHE_KWARG: dict[type, str] = {}
 
 
 class RolloutError(ValueError):
