@@ -78,4 +78,11 @@ STUDY2 = Grid(
     warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts/w0", "fa008a17bdfd45dd"),
                  "w1": WarmStartPin("benchmarks/staleness/warm_starts/w1", "7d3243aed6b861fe")},
 )
-GRIDS = {"study2": STUDY2, "study1": STUDY1, "quick": QUICK}
+# study2_mismatch (issue 24): study2's setup with a simulated sampler/learner mismatch (rollout.study_mismatch_std=0.6:
+# a synchronous batch sits at ESS ratio about exp(-0.36) = 0.70, the VCPO paper's synchronous range), where the
+# reward-independent spread of W is what the plug-in's W^2 weighting was derived for: does grad_only still win there?
+# 4 arms x 2 k x 4 seeds x 2 warm starts = 64 cells at study2's cost per cell.
+STUDY2_MISMATCH = Grid(arms=["grpo", "vcpo", "vcpo_gonly", "vcpo_ess_only"], ks=[0, 16], seeds=[0, 1, 2, 3],
+                       base_config="configs/staleness_study.yaml", overrides=["rollout.study_mismatch_std=0.6"],
+                       warm_starts=STUDY2.warm_starts)
+GRIDS = {"study2": STUDY2, "study1": STUDY1, "quick": QUICK, "study2_mismatch": STUDY2_MISMATCH}
