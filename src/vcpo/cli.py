@@ -263,7 +263,8 @@ def sweep(
     config: ConfigOpt = None,
     overrides: Overrides = None,
     out: Annotated[Path, typer.Option("--out", help="Sweep directory (rerun to resume).")] = Path("runs/sweep"),
-    grid: Annotated[str, typer.Option("--grid", help="A named grid: study2 (the staleness study), study1 "
+    grid: Annotated[str, typer.Option("--grid", help="A named grid: study2 (the staleness study), "
+                                      "study2_mismatch (study2 with a simulated sampler/learner mismatch), study1 "
                                       "(issue 5's), quick.")] = "study2",
     quick: Annotated[bool, typer.Option("--quick", help="Same as --grid quick (< 10 minutes).")] = False,
     workers: Annotated[int, typer.Option("--workers", help="Cells run at once.")] = 2,
