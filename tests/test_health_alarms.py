@@ -11,7 +11,7 @@ from vcpo.config import HealthConfig
 from vcpo.errors import HealthAlarm
 from vcpo.train.alarms import RULES, HealthMonitor
 
-from conftest import metrics, vcpo
+from conftest import LAGGED, metrics, vcpo
 
 
 def _line(step: int, **values) -> dict:
@@ -147,3 +147,18 @@ def test_rollback_halves_the_learning_rate_and_recovers(tmp_path, tiny):
     assert (summary["status"], summary["rollbacks"], summary["lr_factor"]) == ("completed", 1, 0.5)
     assert summary["alarms"]["nonfinite"] == 1 and summary["skipped_steps"] == 1
     assert "health alarms 1 (nonfinite 1), rollbacks 1 (learning rate x0.5)" in proc.stderr.splitlines()[-1]
+
+
+def test_a_guarded_lagged_run_resumes_to_the_metrics_of_an_unguarded_one(tmp_path, tiny, lagged_full):
+    """on_alarm=rollback checkpoints every step (with the monitor's state); with no alarm, a lagged run stopped
+    after step 2 and resumed still reproduces the uninterrupted warn-mode run metric for metric."""
+    run = tmp_path / "run"
+    vcpo("train", *tiny, *LAGGED, f"run_dir={run}", "trainer.on_alarm=rollback", "trainer.max_steps=2")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]
+    vcpo("train", "--resume", str(run), "trainer.max_steps=4")
+
+    def without_times(run_dir) -> list[dict]:
+        return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics(run_dir)]
+
+    assert without_times(run) == without_times(lagged_full)
+    assert "health/alarm_ess" in metrics(run)[-1]
