@@ -264,9 +264,9 @@ class _Job:
         self.health = RunHealth.from_state(state.get("health"))
         self.monitor = HealthMonitor(config.trainer.health, state.get("alarms"))
         learner.lr = config.trainer.lr * self.monitor.lr_factor  # a rollback's lower rate survives a resume
+        # stop and rollback checkpoint every step that raised no alarm, and keep enough of them to go back before
+        # the dead-policy rule's streak
         self.guarded = config.trainer.on_alarm != "warn"
-        """stop and rollback checkpoint every step that raised no alarm, and keep enough of them to go back before
-        the dead-policy rule's streak."""
         self.keep = config.trainer.health.dead_steps + 2 if self.guarded else 2
         self.initial_accuracy: float | None = state.get("initial_accuracy")
         self.last_accuracy: float | None = state.get("last_accuracy", self.initial_accuracy)
