@@ -129,7 +129,7 @@ class HealthMonitor:
 
     def _dead(self, metrics: dict[str, Any], step: int) -> Alarm | None:
         c = self.config
-        entropy = -metrics["response/logprob_mean"] if _finite(metrics.get("response/logprob_mean")) else None
+        entropy = 0.0 - metrics["response/logprob_mean"] if _finite(metrics.get("response/logprob_mean")) else None
         grad = metrics.get("grad_norm")
         if entropy is not None:
             self.metrics["health/entropy"] = entropy
