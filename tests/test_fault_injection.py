@@ -101,7 +101,7 @@ def test_async_run_survives_worker_kills_and_a_trainer_kill(tmp_path, tiny, runs
     summary = json.loads((run_dir / "summary.json").read_text())
     assert code == 0 and steps(run_dir) == list(range(1, 9))  # no step lost or repeated
     assert (summary["status"], summary["worker_restarts"]) == ("completed", 1)
-    assert lines[-1].endswith(f"worker restarts 1; run: {run_dir}")
+    assert lines[-1].endswith(f"worker restarts 1, health alarms 0; run: {run_dir}")
 
 
 def test_a_lagged_run_stopped_by_sigterm_resumes_to_the_uninterrupted_metrics(tmp_path, tiny, lagged_full, runs):

@@ -207,7 +207,13 @@ def test_summary_counts_reach_the_final_line():
                      "skipped_steps": 3, "dropped_groups": 1, "reward_errors": 2, "reward_timeouts": 1,
                      "worker_restarts": 1})
     assert line == ("held-out accuracy: 0.300 before RL -> 0.000 after 4 steps (2 s); skipped steps 3, dropped "
-                    "groups 1, reward errors 2 (timeouts 1), worker restarts 1; run: r")
+                    "groups 1, reward errors 2 (timeouts 1), worker restarts 1, health alarms 0; run: r")
+    line = describe({"initial_accuracy": 0.3, "final_accuracy": 0.0, "steps": 4, "wall_time_s": 2.0, "run_dir": "r",
+                     "skipped_steps": 0, "dropped_groups": 0, "reward_errors": 0, "reward_timeouts": 0,
+                     "worker_restarts": 0, "alarms": {"nonfinite": 0, "ess": 3, "dead_policy": 1}, "rollbacks": 1,
+                     "lr_factor": 0.5})
+    assert line.endswith("worker restarts 0, health alarms 4 (ess 3, dead_policy 1), rollbacks 1 (learning rate "
+                         "x0.5); run: r")
 
 
 def test_a_checkpoint_set_aside_is_never_resumed_from(tmp_path):

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from vcpo.study.detector import BASELINE_RULES, Rule, detector_split, preference, score, tune
+from vcpo.study.detector import BASELINE_RULES, ESS_ALARM, GRAD_RULES, Rule, detector_split, preference, score, tune
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _records(ess, reward):
@@ -77,3 +82,33 @@ def test_split_by_warm_start_then_by_seed():
 
 def test_the_trivial_baseline_family_is_the_ess_level_alone():
     assert all(r.reward_drop is None and r.ess_below is not None for r in BASELINE_RULES)
+
+
+def test_the_gradient_gate_and_the_online_state():
+    rule = Rule(smooth=2, ess_below=0.3, grad_below=1.0, grad_smooth=2, warmup=1)
+    records = [{"step": i + 1, "ess/ratio": 0.1, "reward/mean": 0.5, "grad_norm": g}
+               for i, g in enumerate([2.0, 2.0, 0.5, None, 0.5, 2.0])]
+    # 2-step means of the last finite norms at steps 2-6: 2.0, 1.25, 1.25 (step 4's missing norm is passed over),
+    # 0.5, 1.25
+    assert rule.warning_steps(records) == [5]
+    assert "gradient norm's 2-step mean < 1" in rule.describe()
+    first = rule.tracker()
+    for record in records[:3]:
+        first.update(record)
+    resumed = rule.tracker(json.loads(json.dumps(first.state())))  # through a checkpoint's JSON
+    assert [resumed.update(r) for r in records[3:]] == [False, True, False]
+
+
+def test_the_trainer_s_ess_alarm_on_the_committed_study2_cells():
+    """ESS_ALARM is what `vcpo report` tunes from GRAD_RULES on study2 (+ its issue-24 arms); its scores on the
+    committed cells, against the trivial rule the report picks (tuning: warm start w0, held out: w1)."""
+    from vcpo.study.report import load_cells
+
+    assert ESS_ALARM in GRAD_RULES
+    cells = [c for name in ("study2", "study2_issue24") for c in load_cells(ROOT / "benchmarks/staleness" / name)[0]]
+    tuning, held_out, _ = detector_split(cells)
+    scores = {name: (score(rule, tuning), score(rule, held_out)) for name, rule in (
+        ("gated", ESS_ALARM), ("trivial", Rule(smooth=10, ess_below=0.2, warmup=20)))}
+    counts = {name: [(s["hits"], s["collapsed"], s["false_alarms"], s["false_alarms"] + s["quiet"]) for s in pair]
+              for name, pair in scores.items()}
+    assert counts == {"gated": [(2, 2, 4, 144), (5, 5, 10, 134)], "trivial": [(2, 2, 8, 144), (5, 5, 24, 134)]}

@@ -2,7 +2,8 @@
 on stderr.
 
 Exit status: 0 done; 2 a user error (bad config, path or disk), found before any heavy import where it can
-be; 1 a run that started and could not go on; 128 + signal when SIGTERM (143) or SIGINT (130) stopped it.
+be; 1 a run that started and could not go on; 3 a run that a health alarm stopped (trainer.on_alarm); 128 + signal
+when SIGTERM (143) or SIGINT (130) stopped it.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def train(
     """Train with RL: `vcpo train -c CONFIG.yaml [key.path=value ...] [--resume RUN_DIR]`.
 
     SIGTERM or SIGINT: the run checkpoints its last finished step and exits 143 or 130 (a second one exits at once).
+    A health alarm with trainer.on_alarm=stop (or rollback out of retries) exits 3.
     """
     from vcpo.train.signals import StopSignals
 
@@ -113,7 +115,7 @@ def train(
 
 
 def _train(config: Path | None, overrides: list[str] | None, resume: Path | None, signals: StopSignals) -> None:
-    from vcpo.errors import RunFailed, RunInterrupted, UserError, signal_name
+    from vcpo.errors import HealthAlarm, RunFailed, RunInterrupted, UserError, signal_name
     from vcpo.train.signals import ForcedExit, StopRequested
 
     try:
@@ -129,6 +131,8 @@ def _train(config: Path | None, overrides: list[str] | None, resume: Path | None
         console.print(describe(summary), markup=False, highlight=False, soft_wrap=True)
     except UserError as exc:
         _fail(exc)
+    except HealthAlarm as exc:
+        _fail(exc, code=HealthAlarm.EXIT_CODE)
     except RunFailed as exc:
         _fail(exc, code=1)
     except RunInterrupted as exc:

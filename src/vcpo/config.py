@@ -291,6 +291,47 @@ class ESSLRConfig(_Strict):
     """The ESS ratio at and above which the full trainer.lr applies (the paper uses 0.55 for tool use)."""
 
 
+AlarmRule = Literal["nonfinite", "dead_policy", "reward_collapse", "ess", "accuracy_fall"]
+
+
+class HealthConfig(_Strict):
+    """The live health alarms (docs/trainer.md, health alarms): each rule's thresholds; defaults raise none on the
+    healthy runs measured (benchmarks/notes/issue26_health.md)."""
+
+    disabled: list[AlarmRule] = Field(default_factory=list)
+    """Rules that never fire (their smoothed quantities are still logged)."""
+    dead_entropy: float = Field(1e-3, ge=0)
+    """dead_policy: the mean negative log-prob of the sampled tokens (an estimate of the per-token entropy) below
+    this ..."""
+    dead_grad_norm: float = Field(1e-4, ge=0)
+    """... and the gradient norm (finite, before clipping) below this ..."""
+    dead_steps: int = Field(3, ge=1)
+    """... for this many steps in a row."""
+    reward_drop: float = Field(0.5, gt=0, lt=1)
+    """reward_collapse: the training reward's ``reward_smooth``-step mean below (1 - this) x its best such mean."""
+    reward_smooth: int = Field(25, ge=1)
+    """The window (steps) of the training-reward mean."""
+    reward_floor: float = Field(0.05, ge=0)
+    """reward_collapse judges a fall only once the best smoothed reward reaches this (a near-zero reward's noise
+    is no collapse)."""
+    ess_below: float = Field(0.2, gt=0, le=1)
+    """ess: the ESS ratio's ``ess_smooth``-step mean below this ..."""
+    ess_smooth: int = Field(10, ge=1)
+    """The window (steps) of the ESS-ratio mean."""
+    ess_grad_below: float | None = Field(1.2, gt=0)
+    """... while the gradient norm's ``grad_smooth``-step mean (before clipping) is below this; None = the ESS level
+    alone. 1.2 suits the embedded default model (tuned on study2); scale it to another model's gradient norms."""
+    grad_smooth: int = Field(25, ge=1)
+    """The window (finite steps) of the gradient-norm mean."""
+    warmup: int = Field(20, ge=0)
+    """reward_collapse and ess fire from this step on (the first steps' means are noisy, and a lagged run's lag
+    still ramps up)."""
+    accuracy_fall: float = Field(0.4, gt=0, lt=1)
+    """accuracy_fall: held-out accuracy below this x its best so far (the evaluation before RL included) ..."""
+    accuracy_evals: int = Field(2, ge=1)
+    """... at this many evaluations in a row."""
+
+
 class TrainerConfig(_Strict):
     """The RL optimisation loop: steps, optimizer, evaluations, checkpoints."""
 
@@ -330,6 +371,13 @@ class TrainerConfig(_Strict):
     activation checkpointing); the fast OPOB capture pass keeps its activations regardless."""
     num_learners: int = Field(1, gt=0)
     """Data-parallel learner ranks (Ray actors in one torch.distributed group; needs async.backend=ray)."""
+    on_alarm: Literal["warn", "stop", "rollback"] = "warn"
+    """What a health alarm does: ``warn`` (a line, the run goes on), ``stop`` (exit 3 with a checkpoint of the last
+    step no rule flagged), ``rollback`` (back to a checkpoint from before the alarm, learning rate halved; after
+    trainer.max_rollbacks, stop). stop and rollback checkpoint every step that raised no alarm."""
+    max_rollbacks: int = Field(3, ge=0)
+    """Rollbacks a run may make in all (across resumes); the alarm after the last one stops the run (exit 3)."""
+    health: HealthConfig = Field(default_factory=HealthConfig)
 
 
 class ReplayConfig(_Strict):

@@ -1,7 +1,8 @@
 """The three ways a command ends early, torch-free so the command line can catch them before any heavy import.
 
 ``vcpo`` exits 2 on a ``UserError`` (nothing started, or a disk that refused a write), 1 on ``RunFailed``
-(training began and cannot go on) and 128 + signal on ``RunInterrupted`` (SIGTERM 143, SIGINT 130).
+(training began and cannot go on), 3 on ``HealthAlarm`` (a health alarm stopped the run) and 128 + signal on
+``RunInterrupted`` (SIGTERM 143, SIGINT 130).
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ class UserError(Exception):
 class RunFailed(Exception):
     """Training started but cannot go on (non-finite steps, rollout workers dying, a stalled weight
     handoff); the trainer checkpointed the last finished step before raising it."""
+
+
+class HealthAlarm(RunFailed):
+    """A health alarm stopped the run (``trainer.on_alarm: stop``, or ``rollback`` out of retries); the trainer kept
+    the checkpoint of the last step no rule flagged. Exit status ``EXIT_CODE``."""
+
+    EXIT_CODE = 3
 
 
 class RunInterrupted(Exception):

@@ -132,7 +132,8 @@ def detector_results(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
              f"{fixed.window}-step median or < {fixed.ess_floor}, or grad norm > {fixed.grad_spike} x median",
              "tuning": evaluate_warnings(tune_cells), "held_out": evaluate_warnings(held_out)}]
     for name, family in (("ESS below x (trivial baseline)", rules.BASELINE_RULES),
-                         ("training reward falls", rules.REWARD_RULES)):
+                         ("training reward falls", rules.REWARD_RULES),
+                         ("ESS low while the gradient is weak", rules.GRAD_RULES)):
         tuned = rules.tune(family, tune_cells)
         if tuned is not None:
             rule, on_tuning = tuned

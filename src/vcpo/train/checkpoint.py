@@ -25,7 +25,7 @@ from vcpo.errors import DiskError, UserError
 from vcpo.metrics import fsync_dir
 from vcpo.train.run_dir import LATEST_FILE, complete_checkpoints, latest_checkpoint
 
-__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "set_aside"]
+__all__ = ["CheckpointError", "discard_after", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "set_aside"]
 
 
 class CheckpointError(UserError):
@@ -181,6 +181,19 @@ def set_aside(run_dir: Path, step: int) -> Path | None:
     except OSError as e:
         raise DiskError(target, e) from None
     return remaining[-1][1] if remaining else None
+
+
+def discard_after(run_dir: Path, step: int) -> None:
+    """Delete every checkpoint newer than ``step`` and point ``latest`` at step ``step``'s (a health rollback to it)."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    try:
+        for later, path in complete_checkpoints(run_dir):
+            if later > step:
+                shutil.rmtree(path)
+        _write_latest(ckpt_root, _step_dir_name(step))
+        fsync_dir(ckpt_root)
+    except OSError as e:
+        raise DiskError(ckpt_root, e) from None
 
 
 def _move_into_place(tmp: Path, final: Path) -> None:

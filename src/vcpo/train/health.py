@@ -1,7 +1,8 @@
 """What went wrong without stopping a run, counted over all its steps (and across resumes): skipped
 non-finite steps, dropped rollout groups, reward errors and timeouts, rollout-worker restarts.
 
-``summary.json`` and the command's last line report them, so that no failure is silent.
+``summary.json`` and the command's last line report them, so that no failure is silent (with the health alarms'
+counts, vcpo.train.alarms).
 """
 
 from __future__ import annotations
@@ -55,13 +56,19 @@ def _count(value: Any) -> int:
 
 
 def describe(summary: dict[str, Any]) -> str:
-    """The command's last line: accuracy before and after, then every count of things that went wrong."""
+    """The command's last line: accuracy before and after, then every count of things that went wrong (health
+    alarms: steps on which each rule fired, and rollbacks when there were any)."""
     final = summary.get("final_accuracy")
     after = f"{final:.3f}" if isinstance(final, float) else "n/a"
     s = summary
+    fired = {rule: n for rule, n in s.get("alarms", {}).items() if n}
+    alarms = f"health alarms {sum(fired.values())}" + (
+        f" ({', '.join(f'{rule} {n}' for rule, n in fired.items())})" if fired else "")
+    if s.get("rollbacks"):
+        alarms += f", rollbacks {s['rollbacks']} (learning rate x{s['lr_factor']:g})"
     return (
         f"held-out accuracy: {s['initial_accuracy']:.3f} before RL -> {after} after {s['steps']} steps "
         f"({s['wall_time_s']:.0f} s); skipped steps {s['skipped_steps']}, dropped groups {s['dropped_groups']}, "
         f"reward errors {s['reward_errors']} (timeouts {s['reward_timeouts']}), worker restarts "
-        f"{s['worker_restarts']}; run: {s['run_dir']}"
+        f"{s['worker_restarts']}, {alarms}; run: {s['run_dir']}"
     )

@@ -74,12 +74,14 @@ class _Part:
 
 
 class Learner:
-    """Owns the trained model and its optimizer; ``version`` counts optimizer steps taken."""
+    """Owns the trained model and its optimizer; ``version`` counts optimizer steps taken; ``lr`` is the learning rate
+    before the ESS scale (trainer.lr, unless a health rollback lowered it)."""
 
     def __init__(self, model: torch.nn.Module, config: Config) -> None:
         self.model = model
         self.config = config
         tc = config.trainer
+        self.lr = tc.lr
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = LearnerOptimizer(self.params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
@@ -305,16 +307,16 @@ class Learner:
         finite = self.skip_reason is None
         scale = ess_lr_scale(rho, tc.ess_lr.reference, tc.ess_lr.rule) if tc.ess_lr.enabled and finite else 1.0
         for group in self.optimizer.param_groups:  # set lr, step, restore (Adam would undo a grad scale)
-            group["lr"] = tc.lr * scale
+            group["lr"] = self.lr * scale
         if finite:
             self.optimizer.step()
         for group in self.optimizer.param_groups:
-            group["lr"] = tc.lr
+            group["lr"] = self.lr
         self.optimizer.zero_grad()
         self.version += 1
         return metrics | {
             "grad_norm": grad_norm,
-            "lr": tc.lr * scale,
+            "lr": self.lr * scale,
             "lr_scale": scale,
             "skipped_step": float(not finite),
             "time/learner_s": time.perf_counter() - t0,

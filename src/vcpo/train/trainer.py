@@ -3,12 +3,14 @@ publish weights -> metrics, periodic evaluation and atomic checkpoints. Mode- an
 
 Everything that can fail is checked before the run directory is written; SIGTERM/SIGINT end the run
 with a checkpoint of the last finished step; non-finite steps are skipped, counted, and stop the run
-when ``trainer.max_skipped_steps`` come in a row.
+when ``trainer.max_skipped_steps`` come in a row. Health alarms (vcpo.train.alarms) watch every step and, by
+``trainer.on_alarm``, warn, stop the run, or roll it back to an earlier checkpoint with a lower learning rate.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import time
@@ -22,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vcpo.config import Config, ServerConfig
-from vcpo.errors import DiskError, RunFailed, RunInterrupted, signal_name
+from vcpo.errors import DiskError, HealthAlarm, RunFailed, RunInterrupted, signal_name
 from vcpo.metrics import METRICS_FILE, MetricsLogger, truncate_metrics
 from vcpo.models.loading import load_policy
 from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, RolloutSource, SyncSource
@@ -31,12 +33,13 @@ from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu, resolve_device
 from vcpo.tasks import make_task, prepare_scoring
 from vcpo.tasks.prompts import check_prompt_format
-from vcpo.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, set_aside
+from vcpo.train.alarms import REMEDIES, Alarm, HealthMonitor
+from vcpo.train.checkpoint import CheckpointError, discard_after, load_checkpoint, save_checkpoint, set_aside
 from vcpo.train.evaluate import EvalSettings
 from vcpo.train.evaluate import evaluate as evaluate_policy
 from vcpo.train.health import RunHealth
 from vcpo.train.learner import Learner
-from vcpo.train.run_dir import SUMMARY_FILE, RunDirectory, resume_candidates
+from vcpo.train.run_dir import SUMMARY_FILE, RunDirectory, complete_checkpoints, resume_candidates
 from vcpo.train.sft import warm_start
 from vcpo.train.signals import ForcedExit, StopRequested, StopSignals
 from vcpo.types import Batch, Problem, SamplingParams, Trajectory
@@ -53,8 +56,12 @@ def seed_everything(seed: int) -> None:
 def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[str, float]:
     """Reward, group-variance and length statistics of the trajectories a step trains on, and how many of their
     rewards are zeros the scorer forced: ``reward/errors`` (it raised or its process crashed), ``reward/timeouts``
-    (killed at ``task.reward_timeout_s``). Lengths count the model's own tokens (not environment observations)."""
+    (killed at ``task.reward_timeout_s``). Lengths count the model's own tokens (not environment observations);
+    ``response/logprob_mean`` is the mean behavior log-prob of those tokens (minus it estimates the per-token
+    entropy of the sampling policy; NaN log-probs of rows sampled from non-finite logits left out)."""
     rewards = torch.tensor([t.reward for t in trajectories])
+    logprobs = [lp for t in trajectories for lp, m in zip(t.behavior_logprobs, t.model_token_mask(), strict=True)
+                if m and math.isfinite(lp)]
     by_group: dict[int, list[float]] = {}
     for t in trajectories:
         by_group.setdefault(t.group_id, []).append(t.reward)
@@ -69,6 +76,7 @@ def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/truncated_frac": float(sum(not t.finished for t in trajectories) / len(trajectories)),
+        "response/logprob_mean": sum(logprobs) / len(logprobs) if logprobs else math.nan,
         "batch/size": float(len(trajectories)),
     } | staleness_metrics(trajectories, learner_version) | tool_metrics(trajectories)
 
@@ -254,6 +262,12 @@ class _Job:
         self.eval_problems, self.state, self.signals, self.backend = eval_problems, state, signals, backend
         self.start_step = self.saved_step = self.logged_step = learner.version
         self.health = RunHealth.from_state(state.get("health"))
+        self.monitor = HealthMonitor(config.trainer.health, state.get("alarms"))
+        learner.lr = config.trainer.lr * self.monitor.lr_factor  # a rollback's lower rate survives a resume
+        # stop and rollback checkpoint every step that raised no alarm, and keep enough of them to go back before
+        # the dead-policy rule's streak
+        self.guarded = config.trainer.on_alarm != "warn"
+        self.keep = config.trainer.health.dead_steps + 2 if self.guarded else 2
         self.initial_accuracy: float | None = state.get("initial_accuracy")
         self.last_accuracy: float | None = state.get("last_accuracy", self.initial_accuracy)
         self.source: RolloutSource | None = None
@@ -290,16 +304,22 @@ class _Job:
                     urls = launched.wait_healthy()
                 say(f"rollout servers up: {', '.join(urls)} (logs in {launched.log_dir})")
                 servers = self.config.rollout.server.model_copy(update={"urls": urls, "launch": None})
-            self.source = make_source(self.config, self.learner, self.tokenizer, self.task, model_path, self.backend,
-                                      servers)
-            if "source" in self.state:
-                self.source.load_state(self.state["source"])
-            with (
-                MetricsLogger(self.run_dir, tensorboard=self.config.logging.tensorboard) as logger,
-                _progress(self.config.logging.progress) as bar,
-            ):
-                self.loop(logger, bar)
+            self.open_source(model_path, servers)
+            while True:
+                try:
+                    with (
+                        MetricsLogger(self.run_dir, tensorboard=self.config.logging.tensorboard) as logger,
+                        _progress(self.config.logging.progress) as bar,
+                    ):
+                        self.loop(logger, bar)
+                    break
+                except _Rollback as rollback:
+                    self.roll_back(rollback.alarms)
+                    self.open_source(model_path, servers)
             self.checkpoint()
+        except HealthAlarm as e:  # the last step no rule flagged is checkpointed already
+            self.finish(f"stopped: {e}")
+            raise HealthAlarm(f"stopped at step {self.learner.version}: {e}; {self.kept()}") from None
         except StopRequested:
             sig = signal_name(self.signals.signum)
             if self.learner.version == self.start_step:
@@ -327,6 +347,13 @@ class _Job:
             if launched is not None:
                 launched.stop()
         return self.finish("completed")
+
+    def open_source(self, model_path: Path, servers: ServerConfig | None) -> None:
+        """The run's rollout source, in the state of the checkpoint the run (re)started from."""
+        self.source = make_source(self.config, self.learner, self.tokenizer, self.task, model_path, self.backend,
+                                  servers)
+        if "source" in self.state:
+            self.source.load_state(self.state["source"])
 
     def launch_servers(self, model_path: Path):
         """The inference servers of ``rollout.server.launch``, started (not yet healthy), or None."""
@@ -366,18 +393,63 @@ class _Job:
             if step == 1:
                 metrics["eval/accuracy_initial"] = self.initial_accuracy
             metrics |= {"step": step, "time/rollout_wait_s": t_rollout, "time/step_s": time.perf_counter() - t0}
+            alarms = self.monitor.observe(metrics, learner.skip_reason)
+            metrics |= self.monitor.metrics
             logger.log(metrics)
             self.logged_step = step
+            for alarm in alarms:
+                if not alarm.repeat:
+                    say(alarm.line())
             bar.update(task_id, completed=step, info=(
                 f"reward {metrics['reward/mean']:.2f}  ess {metrics['ess/ratio']:.2f}  "
                 f"stale {metrics['staleness/max']:.0f}  acc {self.last_accuracy:.2f}"))
+            if alarms and self.guarded:
+                self.act(alarms)
             if self.health.consecutive_skipped >= tc.max_skipped_steps:
                 hint = ", or use model.dtype=float32" if self.config.model.dtype == "bfloat16" else ""
                 raise RunFailed(
                     f"{self.health.consecutive_skipped} consecutive steps skipped (trainer.max_skipped_steps="
                     f"{tc.max_skipped_steps}), the last for a {learner.skip_reason}: lower trainer.lr{hint}")
-            if tc.checkpoint_every and step % tc.checkpoint_every == 0 and not last:
+            if (self.guarded or (tc.checkpoint_every and step % tc.checkpoint_every == 0)) and not last:
                 self.checkpoint()
+
+    def act(self, alarms: list[Alarm]) -> None:
+        """``trainer.on_alarm`` stop or rollback, after a step that raised ``alarms``: raises ``HealthAlarm`` (stop;
+        rollback out of retries) or ``_Rollback``."""
+        tc = self.config.trainer
+        what = f"health alarm ({', '.join(a.rule for a in alarms)}) at step {alarms[0].step}"
+        if tc.on_alarm == "stop":
+            raise HealthAlarm(f"{what} (trainer.on_alarm=stop)")
+        if self.monitor.rollbacks >= tc.max_rollbacks:
+            raise HealthAlarm(f"{what} after {self.monitor.rollbacks} rollbacks (trainer.max_rollbacks="
+                              f"{tc.max_rollbacks})")
+        raise _Rollback(alarms)
+
+    def roll_back(self, alarms: list[Alarm]) -> None:
+        """Back to the newest checkpoint no alarm suspects (step <= every alarm's ``last_good``), the later ones
+        and their metrics lines discarded, with each rule's remedy applied (the learning rate halved); the alarm
+        counts, rollbacks and learning-rate factor carry on. Raises ``HealthAlarm`` when no such checkpoint is left.
+        The caller opens a new rollout source in the checkpoint's state (async workers start afresh)."""
+        target = min(a.last_good for a in alarms)
+        what = f"health alarm ({', '.join(a.rule for a in alarms)}) at step {alarms[0].step}"
+        kept = [(step, path) for step, path in complete_checkpoints(self.run_dir) if step <= target]
+        if not kept:
+            raise HealthAlarm(f"{what}: no checkpoint at or before step {target} to roll back to")
+        step, ckpt = kept[-1]
+        self.source.close()
+        self.source = None
+        discard_after(self.run_dir, step)
+        self.state = load_checkpoint(ckpt, self.learner.model, self.learner.optimizer)
+        self.learner.version = self.saved_step = self.logged_step = step
+        truncate_metrics(self.run_dir / METRICS_FILE, after_step=step)
+        self.last_accuracy = self.state.get("last_accuracy", self.initial_accuracy)
+        self.health.consecutive_skipped = 0
+        factor = min(REMEDIES[a.rule].lr_factor for a in alarms)
+        before = self.learner.lr
+        self.monitor.rolled_back(self.state.get("alarms"), factor)
+        self.learner.lr = self.config.trainer.lr * self.monitor.lr_factor
+        say(f"health: rolled back to step {step} ({ckpt.name}) after the {what}; learning rate {before:g} -> "
+            f"{self.learner.lr:g} (rollback {self.monitor.rollbacks} of at most {self.config.trainer.max_rollbacks})")
 
     def checkpoint(self) -> None:
         """Save the last finished step, unless it is saved already, comes in a run of skipped steps (weights that
@@ -389,10 +461,11 @@ class _Job:
         trainer_state = {
             "step": self.learner.version, "initial_accuracy": self.initial_accuracy,
             "last_accuracy": self.last_accuracy, "source": self.source.state(), "health": self.health.state(),
+            "alarms": self.monitor.state(),
         }
         try:
             save_checkpoint(self.run_dir, self.learner.version, self.learner.model, self.tokenizer,
-                            self.learner.optimizer, trainer_state)
+                            self.learner.optimizer, trainer_state, keep=self.keep)
         except CheckpointError as e:  # non-finite weights: the previous checkpoint stays the latest
             raise RunFailed(str(e)) from None
         self.saved_step = self.learner.version
@@ -429,9 +502,17 @@ class _Job:
             "initial_accuracy": self.initial_accuracy, "final_accuracy": self.last_accuracy,
             "wall_time_s": time.perf_counter() - self.started, "objective": self.config.objective.name,
             "mode": self.config.async_.mode, "max_staleness": self.config.async_.max_staleness,
-        } | self.health.counts(self.source.metrics() if self.source is not None else {})
+        } | self.health.counts(self.source.metrics() if self.source is not None else {}) | self.monitor.summary()
         try:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         except OSError as e:
             raise DiskError(self.run_dir / SUMMARY_FILE, e) from None
         return summary
+
+
+class _Rollback(Exception):
+    """``trainer.on_alarm: rollback``: leaves the loop (and its metrics file) for ``_Job.roll_back``."""
+
+    def __init__(self, alarms: list[Alarm]) -> None:
+        super().__init__(alarms[0].line())
+        self.alarms = alarms

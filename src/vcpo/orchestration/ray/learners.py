@@ -71,10 +71,12 @@ class LearnerActor:
             self.learner.version = version
 
     @ray.method(concurrency_group="step")
-    def step(self, batch: Batch) -> tuple[dict[str, float], list | None, str | None]:
-        """One optimizer step on the global batch (skipped on every rank alike when a global statistic is not
-        finite); rank 0 also returns [ref] of the new weights in the store."""
+    def step(self, batch: Batch, lr: float) -> tuple[dict[str, float], list | None, str | None]:
+        """One optimizer step on the global batch at learning rate ``lr`` (before the ESS scale; skipped on every
+        rank alike when a global statistic is not finite); rank 0 also returns [ref] of the new weights in the
+        store."""
         with self.lock:
+            self.learner.lr = lr
             metrics = self.learner.step(batch)
         if self.rank != 0:
             return metrics, None, self.learner.skip_reason
@@ -132,7 +134,7 @@ class _OptimizerProxy:
 
 
 class LearnerGroup:
-    """``trainer.num_learners`` learner actors behind the ``Learner`` interface (``step``, ``version``,
+    """``trainer.num_learners`` learner actors behind the ``Learner`` interface (``step``, ``version``, ``lr``,
     ``optimizer``, ``model``, ``device``)."""
 
     def __init__(self, model: torch.nn.Module, config: Config, model_path: str, board: WeightBoard) -> None:
@@ -140,6 +142,7 @@ class LearnerGroup:
         self.model, self.config, self.board, self.timeout_s = model, config, board, rc.timeout_s
         self.device = next(model.parameters()).device
         self.version = 0
+        self.lr = config.trainer.lr  # sent with each step
         self.skip_reason: str | None = None
         self.synced_version: int | None = None  # the version the ranks' weights are known to match
         self.optimizer = _OptimizerProxy(self)
@@ -177,7 +180,8 @@ class LearnerGroup:
         self._sync()
         t0 = time.perf_counter()
         batch_ref = ray.put(batch)  # once, whatever the number of ranks
-        results = self._call([a.step.remote(batch_ref) for a in self.actors], f"learner step {self.version + 1}")
+        results = self._call([a.step.remote(batch_ref, self.lr) for a in self.actors],
+                             f"learner step {self.version + 1}")
         metrics, ref, self.skip_reason = results[0]
         t1 = time.perf_counter()
         with torch.no_grad():
