@@ -55,6 +55,26 @@ def wait_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
     return left
 
 
+def shared_memory_names() -> set[str]:
+    return {path.name for path in Path("/dev/shm").iterdir()}
+
+
+def remove_orphaned_shared_memory(before: set[str]) -> None:
+    """Delete the /dev/shm segments and semaphores that appeared since ``before`` and that no live process maps or
+    holds open: those of the processes this test killed with SIGKILL (vLLM's message queues, the trainer's
+    multiprocessing semaphores), which never got to unlink them."""
+    held: set[str] = set()
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            held.update(re.findall(r"/dev/shm/(\S+)", (proc_dir / "maps").read_text()))
+            held.update(os.readlink(fd).rpartition("/")[2] for fd in (proc_dir / "fd").iterdir()
+                        if os.readlink(fd).startswith("/dev/shm/"))
+        except OSError:  # a process that ended meanwhile, or one not ours to read
+            continue
+    for name in shared_memory_names() - before - held:
+        Path("/dev/shm", name).unlink(missing_ok=True)
+
+
 def test_a_sync_run_of_15_steps_keeps_the_tied_model_within_1e4_of_the_learner(sft_model, tmp_path):
     log = tmp_path / "train.log"
     proc = start(train(sft_model, tmp_path / "run", 1, "async.mode=sync", "trainer.max_steps=15"), log)
@@ -68,6 +88,7 @@ def test_a_sync_run_of_15_steps_keeps_the_tied_model_within_1e4_of_the_learner(s
 
 def test_async_in_flight_updates_survive_a_killed_server_and_a_killed_trainer_leaves_nothing(sft_model, tmp_path):
     run_dir, log, k = tmp_path / "run", tmp_path / "train.log", 1
+    shm_before = shared_memory_names()
     proc = start(train(sft_model, run_dir, 2, "async.mode=async", "async.inflight_updates=true",
                        f"async.max_staleness={k}", "async.num_workers=1", "trainer.max_steps=500"), log)
     try:
@@ -88,6 +109,8 @@ def test_async_in_flight_updates_survive_a_killed_server_and_a_killed_trainer_le
             proc.kill()
         for pid in processes_with(str(sft_model)):  # only when the test failed: nothing outlives it
             os.kill(pid, signal.SIGKILL)
+        wait_gone(str(sft_model))
+        remove_orphaned_shared_memory(shm_before)
     text = log.read_text()
     assert f"rollout server http://127.0.0.1:{ports[1]} is down" in text
     lines = metrics(run_dir)
