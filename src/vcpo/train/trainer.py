@@ -25,6 +25,7 @@ from vcpo.config import Config, ServerConfig
 from vcpo.errors import DiskError, RunFailed, RunInterrupted, signal_name
 from vcpo.metrics import METRICS_FILE, MetricsLogger, truncate_metrics
 from vcpo.models.loading import load_policy
+from vcpo.models.lora import apply_lora_config
 from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, RolloutSource, SyncSource
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
@@ -124,6 +125,7 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
             handoff_timeout_s=config.async_.handoff_timeout_s,
             server=None if servers is None else server.model_dump(),
             task_options=config.task.model_dump(exclude={"name", "kwargs", "reward_timeout_s", "reward_workers"}),
+            lora=config.model.lora.model_dump() if config.model.lora.rank > 0 else None,
         )
         if backend is not None:  # Ray: rollout actors (vcpo.orchestration.ray)
             return backend.source(learner.model, spec, start_version=learner.version,
@@ -220,6 +222,7 @@ def _train(config: Config, resume: bool, signals: StopSignals | None, backend) -
                 prepare_scoring(task)  # the sandboxed scorer starts while the model loads
                 model_path = warm_start(config)
                 model, tokenizer = load_policy(model_path, config.model.dtype, device)
+                model = apply_lora_config(model, config.model.lora)  # rank 0: the model as it is
                 learner = Learner(model, config) if backend is None else backend.learner(model, str(model_path))
                 state, ckpt = restore(run.path, learner) if resume else ({}, None)
                 eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
