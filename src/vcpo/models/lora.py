@@ -120,6 +120,13 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
         peft.set_peft_model_state_dict(wrapper, saved)
 
 
+def save_adapter_config(model: nn.Module, directory: str | Path) -> Path:
+    """Write the adapters' ``adapter_config.json`` into ``directory`` (weights published to ``vcpo serve`` carry it,
+    so the server builds the same adapters); returns its path."""
+    peft_model(model).peft_config["default"].save_pretrained(str(directory))
+    return Path(directory) / ADAPTER_CONFIG
+
+
 def adapter_base(directory: str | Path) -> str | None:
     """The base model directory an adapter's ``adapter_config.json`` names (``base_model_name_or_path``)."""
     try:

@@ -25,7 +25,7 @@ from vcpo.config import Config, ServerConfig
 from vcpo.errors import DiskError, RunFailed, RunInterrupted, signal_name
 from vcpo.metrics import METRICS_FILE, MetricsLogger, truncate_metrics
 from vcpo.models.loading import load_policy
-from vcpo.models.lora import apply_lora_config
+from vcpo.models.lora import apply_lora_config, is_lora, save_adapter_config
 from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, RolloutSource, SyncSource
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
@@ -151,6 +151,8 @@ def _server_engine(config: Config, sc: ServerConfig, model_path: Path, model: to
 
     weights_dir = sc.weights_dir or str(Path(config.run_dir) / "server_weights")
     extra = [p for p in (model_path / "config.json", model_path / "generation_config.json") if p.is_file()]
+    if is_lora(model):  # each version is the adapters' tensors; vcpo serve builds the adapters from their config
+        extra.append(save_adapter_config(model, Path(weights_dir)))
     vocab = min(int(model.config.vocab_size), len(tokenizer))  # ids both the model and the server's tokenizer know
     check = None if sc.weight_check_tol is None else WeightCheck(model, WeightCheck.probe(vocab), sc.weight_check_tol)
     return server_engine(sc, weights_dir=weights_dir, extra_files=extra, abort=config.async_.inflight_updates
