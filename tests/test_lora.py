@@ -142,14 +142,40 @@ def test_a_lora_step_moves_the_adapters_only(tiny_overrides):
     assert any(float(v.abs().max()) > 0 for k, v in after.items() if ".lora_B." in k)  # B left zero
 
 
-def test_a_lora_checkpoint_holds_the_adapter_and_names_its_base(tmp_path, tiny):
+def test_a_lora_checkpoint_holds_the_adapter_and_exports_to_what_transformers_loads(tmp_path, tiny):
+    """The checkpoint: the adapter in peft's layout, naming its base. ``vcpo export`` (merged, and base + adapter side
+    by side): ``AutoModelForCausalLM.from_pretrained`` gives the learner's log-probs on a fresh sequence."""
+    from transformers import AutoModelForCausalLM
+
+    from vcpo.models.loading import load_policy
+    from vcpo.variance import token_logprobs
+
     run = tmp_path / "run"
     vcpo("train", *tiny, *LORA, f"run_dir={run}", "async.mode=sync", "trainer.max_steps=2")
     ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     assert (ckpt / ADAPTER_WEIGHTS).is_file() and (ckpt / ADAPTER_CONFIG).is_file()
     assert not (ckpt / "model.safetensors").exists()  # the base is fixed: not copied into every checkpoint
-    assert "chain_sum-" in adapter_base(ckpt)  # the warm-started base directory
+    base = adapter_base(ckpt)
+    assert "chain_sum-" in base and base.startswith("/")  # the warm-started base, wherever the run is read from
     assert all(m["mismatch/logprob_abs_max"] < 1e-4 for m in metrics(run))  # sync: every token is fresh
+
+    learner, tokenizer = load_policy(base)
+    apply_lora(learner, rank=4, alpha=8.0)
+    load_adapter(learner, ckpt)
+    ids = torch.tensor([tokenizer.encode("12+34=46 and 7+8=15")])
+    with torch.no_grad():
+        expected = token_logprobs(learner, ids, torch.ones_like(ids))
+        assert float((expected - token_logprobs(load_policy(base)[0], ids, torch.ones_like(ids))).abs().max()) > 1e-4
+    for merge in (True, False):
+        out = tmp_path / f"export-{merge}"
+        vcpo("export", str(ckpt), "--out", str(out), *(["--merge"] if merge else []))
+        assert (out / ADAPTER_WEIGHTS).is_file() != merge
+        exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+        with torch.no_grad():
+            got = token_logprobs(exported, ids, torch.ones_like(ids))
+        torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+    proc = vcpo("export", str(ckpt), "--out", str(out), check=False)
+    assert proc.returncode == 2 and "--out" in proc.stderr and "not an empty directory" in proc.stderr
 
 
 def test_lora_lagged_resume_equals_uninterrupted_run(tmp_path, tiny):

@@ -45,9 +45,11 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
     records the base model's directory (``base_model_name_or_path``). A ``target_modules`` that matches nothing is a
     ``LoraError`` naming ``model.lora.target_modules``."""
     peft = _peft()
-    base = getattr(model.config, "_name_or_path", None) or None
+    base = getattr(model, "name_or_path", None) or None  # peft records it as base_model_name_or_path
+    if base is not None and Path(base).is_dir():  # absolute: a checkpoint names its base wherever it is read from
+        model.name_or_path = model.config._name_or_path = str(Path(base).resolve())
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-                             task_type="CAUSAL_LM", base_model_name_or_path=base)
+                             task_type="CAUSAL_LM")
     try:
         with warnings.catch_warnings():  # peft asks transformers a deprecated question: not the user's concern
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
