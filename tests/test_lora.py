@@ -3,6 +3,9 @@ the fast OPOB norms agree with the exact per-row ones on peft's LoRA layers."""
 
 from __future__ import annotations
 
+import math
+import sys
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -182,3 +185,31 @@ def test_lora_lagged_resume_equals_uninterrupted_run(tmp_path, tiny):
     full = tmp_path / "full"
     vcpo("train", *tiny, *LAGGED, *LORA, f"run_dir={full}")
     assert_resumed_run_matches(full, tmp_path / "part", [*tiny, *LAGGED, *LORA])
+
+
+def test_adapter_dropout_acts_in_the_gradient_pass_only(tiny_overrides):
+    from vcpo.train.learner import Learner
+    from vcpo.types import Batch, SamplingParams, Trajectory
+
+    config = load_config("configs/quickstart.yaml", [*tiny_overrides, *LORA, "model.lora.dropout=0.5"])
+    model = apply_lora(tiny_llama(), rank=4, alpha=8.0, dropout=0.5)
+    randomise_adapters(model)
+    learner = Learner(model, config)
+    assert len(learner.dropouts) == 2 * 7  # every adapted linear layer of both blocks
+    trajectories = [Trajectory(problem_uid="p", group_id=i // 2, prompt_ids=[3, 4, 5], response_ids=[6 + i, 7, 8],
+                               behavior_logprobs=[-3.0] * 3, versions=[0] * 3, reward=float(i % 2), finished=True,
+                               sampling=SamplingParams()) for i in range(4)]
+    b = Batch.from_trajectories(trajectories, pad_id=0)
+    with torch.no_grad():  # sampling and evaluation: no dropout, the same numbers twice
+        a1, a2 = (learner.logprobs(b, grad=False) for _ in range(2))
+    assert torch.equal(a1, a2)
+    g1, g2 = (learner.logprobs(b).detach() for _ in range(2))  # gradient passes: two dropout masks
+    assert not torch.equal(g1, g2)
+    assert all(not m.training for m in learner.dropouts)
+    assert math.isfinite(learner.step(b)["grad_norm"])
+
+
+def test_lora_without_peft_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
+    with pytest.raises(LoraError, match=r"pip install 'vcpo\[lora\]'"):
+        apply_lora(tiny_llama(), rank=4, alpha=8.0)

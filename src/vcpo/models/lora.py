@@ -45,6 +45,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
     records the base model's directory (``base_model_name_or_path``). A ``target_modules`` that matches nothing is a
     ``LoraError`` naming ``model.lora.target_modules``."""
     peft = _peft()
+    was_training = model.training
     base = getattr(model, "name_or_path", None) or None  # peft records it as base_model_name_or_path
     if base is not None and Path(base).is_dir():  # absolute: a checkpoint names its base wherever it is read from
         model.name_or_path = model.config._name_or_path = str(Path(base).resolve())
@@ -57,7 +58,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
         raise LoraError(f"model.lora.target_modules={target_modules!r}: {' '.join(str(exc).split())}") from None
     object.__setattr__(model, _PEFT_ATTR, wrapper)  # not a submodule: model.modules() stays the model's own
-    return model
+    return model.train(was_training)  # the new modules (adapter dropout) in the model's mode, as it was
 
 
 def apply_lora_config(model: nn.Module, lora: Any) -> nn.Module:
