@@ -181,6 +181,9 @@ def evaluate(
         console.print(f"config: {config or run_config or 'built-in defaults'}"
                       + (" (the run's own; -c to use another)" if config is None and run_config else ""),
                       markup=False, highlight=False)
+        if (Path(checkpoint) / "adapter_config.json").is_file():
+            raise UserError(f"{checkpoint} is a LoRA adapter: `vcpo export {checkpoint} --out DIR --merge`, then "
+                            f"evaluate DIR")
         check_model_dir(checkpoint)
         out = out if out is not None else model_path / "eval.json"
         for path in dataset or []:
@@ -370,6 +373,29 @@ def serve(
             raise UserError(f"vcpo serve needs the serve extra (pip install -e '.[serve]'): {exc}") from None
         _quiet_libraries()
         run_server(model_dir, host=host, port=port, dtype=dtype, device=device, seed=seed)
+    except UserError as exc:
+        _fail(exc)
+
+
+@app.command("export")
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="A run's checkpoint directory (RUN/checkpoints/step_N).")],
+    out: Annotated[Path, typer.Option("--out", help="The model directory to write (must not exist, or be empty).")],
+    merge: Annotated[bool, typer.Option("--merge", help="LoRA: fold the adapter into the base weights (a plain "
+                                        "model any loader reads); without it, the base and the adapter side by "
+                                        "side in peft's layout.")] = False,
+    base: Annotated[Path | None, typer.Option("--base", help="LoRA: the base model directory, if the one the "
+                                              "checkpoint names has moved.")] = None,
+) -> None:
+    """Write a checkpoint as a Hugging Face model directory (AutoModelForCausalLM.from_pretrained loads it)."""
+    from vcpo.errors import UserError
+
+    try:
+        _quiet_libraries()
+        from vcpo.models.export import export_checkpoint
+
+        written = export_checkpoint(checkpoint, out, merge=merge, base=base)
+        console.print(f"wrote {written}", markup=False, highlight=False)
     except UserError as exc:
         _fail(exc)
 

@@ -36,6 +36,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
+class LoraConfig(_Strict):
+    """LoRA (low-rank adapters, through peft): train and sync only the adapters, the base weights stay fixed."""
+
+    rank: int = Field(0, ge=0)
+    """The adapters' rank r; 0 = off (full fine-tuning). Needs peft (``pip install 'vcpo[lora]'``)."""
+    alpha: float = Field(16.0, gt=0)
+    """The adapters' scale numerator: each adapted layer computes ``W x + (alpha / rank) B A x``."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input, in the learner's gradient passes only (never while sampling); above 0 the
+    log-probs the objective, ESS and the mismatch metric see are noisy: 0 is recommended for RL."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Which modules get adapters: ``all-linear`` (every linear layer but the LM head) or a list of module names
+    (e.g. ``[q_proj, v_proj]``), as peft's ``target_modules``."""
+
+
 class ModelConfig(_Strict):
     """The policy model: which weights, in which dtype, on which device."""
 
@@ -48,6 +63,8 @@ class ModelConfig(_Strict):
     """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     lm_head_fp32: bool = False
     """Compute the LM head's logits in float32 (engine and learner alike) from half-precision hidden states."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters (docs/lora.md); ``rank`` 0 = full fine-tuning."""
 
     @field_validator("device")
     @classmethod
@@ -549,6 +566,13 @@ class Config(_Strict):
         if self.rollout.engine == "server" and not server.urls and server.launch is None:
             raise ValueError("rollout.engine=server needs rollout.server.urls (a list of base URLs) or "
                              "rollout.server.launch (servers the run starts)")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_servers(self) -> Config:
+        if self.model.lora.rank > 0 and self.rollout.engine == "server" and self.rollout.server.kind != "vcpo":
+            raise ValueError(f"model.lora.rank>0 with rollout.server.kind={self.rollout.server.kind}: adapter sync "
+                             "reaches vcpo serve only (set rollout.server.kind=vcpo, or model.lora.rank=0)")
         return self
 
     @model_validator(mode="after")

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from rich.console import Console
 
 from vcpo.errors import RunFailed, signal_name
+from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.staleness import StalenessController
 from vcpo.orchestration.worker import WorkerSpec, rollout_worker
 from vcpo.rollout.weights import WeightPublisher
@@ -75,7 +76,7 @@ class AsyncSource:
         self._model = model
         # A host copy whatever the learner's device: workers copy from it onto theirs (none when servers generate).
         self.shared = {} if publisher is not None else {
-            k: v.detach().to("cpu", copy=True).share_memory_() for k, v in model.state_dict().items()}
+            k: v.detach().to("cpu", copy=True).share_memory_() for k, v in sync_state_dict(model).items()}
         # Read by workers without a lock, as a hint; written only while every worker's lock is held.
         self.version = self._ctx.RawValue("q", start_version)
         self.controller = StalenessController(max_staleness, self.P, drop_older_than)
@@ -184,7 +185,7 @@ class AsyncSource:
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         if not self.workers:  # start on the first request, after any load_state
             if self.publisher is not None:  # the servers start from the learner's weights, whatever they loaded
-                self.publisher.publish(self._model.state_dict(), int(self.version.value))
+                self.publisher.publish(sync_state_dict(self._model), int(self.version.value))
             self.workers = [self._spawn(i) for i in range(self.num_workers)]
             self._admit()
         if self._failure is not None:
@@ -221,7 +222,7 @@ class AsyncSource:
         then admit what the bound allows."""
         if self.publisher is not None:
             t0 = time.perf_counter()
-            self.publisher.publish(model.state_dict(), version)  # every server paused, updated, resumed
+            self.publisher.publish(sync_state_dict(model), version)  # every server paused, updated, resumed
             self.publish_s = time.perf_counter() - t0
             self.version.value = version
             self.controller.set_version(version)
@@ -234,7 +235,7 @@ class AsyncSource:
                 if (lock := self._lock(i)) is not None:
                     locked.append(lock)
             with torch.no_grad():
-                for k, v in model.state_dict().items():
+                for k, v in sync_state_dict(model).items():
                     self.shared[k].copy_(v)
             self.version.value = version
         finally:

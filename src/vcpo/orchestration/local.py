@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.base import RolloutContext, generator_for, trajectory_from_dict, trajectory_to_dict
 from vcpo.rollout.collect import collect_groups
 from vcpo.types import Trajectory
@@ -26,7 +27,7 @@ def _at_version(engine, remote_model: torch.nn.Module | None, version: int) -> N
     if remote_model is None:
         engine.version = version
     elif engine.version != version:
-        engine.load_weights(remote_model.state_dict(), version)
+        engine.load_weights(sync_state_dict(remote_model), version)
 
 
 class SyncSource:

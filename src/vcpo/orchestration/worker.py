@@ -50,6 +50,8 @@ class WorkerSpec:
     """rollout.server when rollout.engine is server: the worker is an HTTP client and loads only the tokenizer."""
     task_options: dict[str, Any] = field(default_factory=dict)
     """The rest of the run's TaskConfig (prompt format, system prompt, instruction, reward)."""
+    lora: dict[str, Any] | None = None
+    """model.lora when its rank is above 0: the engine gets the same adapters, and the learner sends only them."""
 
 
 class _Sender:
@@ -115,6 +117,10 @@ def build_worker(spec: WorkerSpec, version_of: Callable[[], int] | None = None):
     prepare_scoring(task)  # the sandboxed scorer starts while the model loads
     if spec.server is None:
         model, tokenizer = load_policy(spec.model_path, spec.dtype, spec.device)
+        if spec.lora is not None:  # the base stays as loaded; the adapters come from the learner (version -1 now)
+            from vcpo.models.lora import apply_lora_config
+
+            model = apply_lora_config(model, spec.lora)
         engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, version=-1,
                                  lm_head_fp32=spec.lm_head_fp32)
     else:  # the learner's process publishes the weights to the servers; vcpo serve tags each token's version

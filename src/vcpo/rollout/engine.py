@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vcpo.models.lora import sync_state_dict
 from vcpo.types import Generation, SamplingParams
 from vcpo.variance.logprobs import split_head
 
@@ -168,9 +169,10 @@ class HFRolloutEngine:
         """Copy ``state_dict`` (e.g. the learner's, same architecture) into the model in place; set the version.
 
         Every parameter and persistent buffer must be covered, except aliases of a covered tensor
-        (tied embeddings, which ``save_pretrained`` stores once). Values are cast to the model's dtype.
+        (tied embeddings, which ``save_pretrained`` stores once); for a LoRA model exactly its adapters' tensors
+        (``vcpo.models.lora.sync_state_dict``: the base is fixed). Values are cast to the model's dtype.
         """
-        targets = self.model.state_dict(keep_vars=True)
+        targets = sync_state_dict(self.model, keep_vars=True)
         unexpected = sorted(set(state_dict) - set(targets))
         if unexpected:
             raise WeightLoadError(f"state dict key {unexpected[0]!r} is not in the rollout model")

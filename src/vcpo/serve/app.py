@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vcpo.models.lora import ADAPTER_CONFIG, LoraError, lora_settings
 from vcpo.rollout.engine import WeightLoadError
 from vcpo.serve.batcher import Batcher, BatchKey, Segment, WeightsDirError, read_weights_dir
 
@@ -132,8 +133,10 @@ def create_app(batcher: Batcher, tokenizer: Any, model_name: str, max_model_len:
     async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any] | JSONResponse:
         try:
             state = await asyncio.to_thread(read_weights_dir, body.path)
-            await asyncio.to_thread(batcher.update_weights, state, body.version)
-        except (WeightsDirError, WeightLoadError) as exc:
+            adapter = Path(body.path) / ADAPTER_CONFIG  # LoRA: the adapters' tensors alone, and their settings
+            lora = lora_settings(body.path) if adapter.is_file() else None
+            await asyncio.to_thread(batcher.update_weights, state, body.version, lora)
+        except (WeightsDirError, WeightLoadError, LoraError) as exc:
             return _error(400, f"update_weights rejected, weights unchanged: {exc}")
         return {"status": "ok", "version": body.version}
 

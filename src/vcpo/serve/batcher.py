@@ -9,12 +9,14 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
+from vcpo.models.lora import apply_lora_config, is_lora
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.types import Generation, SamplingParams
 
@@ -119,9 +121,16 @@ class Batcher:
             self._paused = self._abort = False
             self._cond.notify_all()
 
-    def update_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
-        """Load new weights between batches (all checked before any is copied: a rejected update changes nothing)."""
+    def update_weights(self, state_dict: Mapping[str, Tensor], version: int,
+                       lora: Mapping[str, Any] | None = None) -> None:
+        """Load new weights between batches (all checked before any is copied: a rejected update changes nothing).
+
+        ``lora``: the ``model.lora`` settings of an adapter-only update (its directory's ``adapter_config.json``);
+        the first such update injects those adapters (zero, so the policy is still the base's) into the served
+        model, and from then on every update carries the adapters' tensors alone."""
         with self._engine_lock:
+            if lora is not None and not is_lora(self.engine.model):
+                apply_lora_config(self.engine.model, dict(lora))
             self.engine.load_weights(state_dict, version)
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
-"""Atomic training checkpoints: Hugging Face weights (safetensors) + tokenizer, optimizer, trainer state, RNG.
+"""Atomic training checkpoints: Hugging Face weights (safetensors) + tokenizer, optimizer, trainer state, RNG; for a
+LoRA model the adapter alone in peft's layout (``adapter_model.safetensors``, ``adapter_config.json`` naming the base).
 
 Layout: ``run_dir/checkpoints/step_000010/`` (loadable with ``from_pretrained``) and a ``latest`` file naming it
 (``vcpo.train.run_dir`` finds them). Non-finite weights are never written; a failed write leaves the previous
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 
 from vcpo.errors import DiskError, UserError
 from vcpo.metrics import fsync_dir
+from vcpo.models.lora import ADAPTER_WEIGHTS, LoraError, adapter_base, is_lora, load_adapter, save_adapter
 from vcpo.train.run_dir import LATEST_FILE, complete_checkpoints, latest_checkpoint
 
 __all__ = ["CheckpointError", "discard_after", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "set_aside"]
@@ -119,9 +121,9 @@ def save_checkpoint(
 ) -> Path:
     """Write ``run_dir/checkpoints/step_{step:06d}/`` atomically and return it.
 
-    Contents: the model (``save_pretrained``, safetensors) and tokenizer, ``optimizer.pt``,
-    ``trainer_state.json`` (``trainer_state`` plus ``step``) and ``rng.pt`` (Python, NumPy, torch
-    CPU/CUDA states and each named generator's state). Everything is written into a
+    Contents: the model (``save_pretrained``, safetensors; a LoRA model's adapter alone, in peft's layout) and
+    tokenizer, ``optimizer.pt``, ``trainer_state.json`` (``trainer_state`` plus ``step``) and ``rng.pt`` (Python,
+    NumPy, torch CPU/CUDA states and each named generator's state). Everything is written into a
     ``.tmp-<pid>`` directory that is renamed into place only when complete; then ``latest`` is
     replaced atomically, and all but the ``keep`` newest checkpoints (and leftovers of interrupted
     saves: one writer per run directory) are deleted. Weights holding a NaN or an infinity raise
@@ -142,7 +144,10 @@ def save_checkpoint(
         ckpt_root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         with _quiet_progress_bars():
-            model.save_pretrained(tmp)
+            if is_lora(model):  # the base is fixed: adapter_config.json names its directory
+                save_adapter(model, tmp)
+            else:
+                model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(_rng_state(generators), tmp / "rng.pt")
@@ -219,8 +224,26 @@ def _weight_files(ckpt_dir: Path) -> list[Path]:
     raise CheckpointError(f"checkpoint {ckpt_dir} is incomplete: no model.safetensors")
 
 
+def _load_adapter(ckpt_dir: Path, model: torch.nn.Module) -> None:
+    """A LoRA checkpoint into a LoRA model whose base is the one the adapter was trained on."""
+    if not is_lora(model):
+        raise CheckpointError(f"checkpoint {ckpt_dir} holds a LoRA adapter but the model has none (model.lora.rank=0)")
+    saved_base, base = adapter_base(ckpt_dir), getattr(model.config, "_name_or_path", None)
+    if saved_base and base and str(Path(saved_base).resolve()) != str(Path(base).resolve()):
+        raise CheckpointError(f"checkpoint {ckpt_dir}'s adapter was trained on the base {saved_base}, not {base}")
+    try:
+        load_adapter(model, ckpt_dir)
+    except LoraError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def _load_weights(ckpt_dir: Path, model: torch.nn.Module) -> None:
     """Copy the saved tensors into ``model``; keys omitted because they are tied to a saved one are fine."""
+    if (ckpt_dir / ADAPTER_WEIGHTS).is_file():
+        _load_adapter(ckpt_dir, model)
+        return
+    if is_lora(model):
+        raise CheckpointError(f"checkpoint {ckpt_dir} holds full weights, no LoRA adapter (model.lora.rank>0)")
     saved: dict[str, torch.Tensor] = {}
     for path in _weight_files(ckpt_dir):
         try:

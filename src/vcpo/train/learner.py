@@ -95,6 +95,9 @@ class Learner:
         self.loss_agg = self.objective_kwargs.get("loss_agg", objective_hyperparameters(name)["loss_agg"])
         self.scope = objective_scope(name)
         self.checkpointed = enable_activation_checkpointing(model) if tc.gradient_checkpointing else []
+        # LoRA dropout acts in the gradient passes only: the model stays in eval mode, as the engine samples.
+        self.dropouts = [m for name, m in model.named_modules()
+                         if ".lora_dropout." in name and isinstance(m, torch.nn.Dropout) and m.p > 0]
         if config.model.lm_head_fp32 and split_head(model) is None:
             raise ConfigError(f"model.lm_head_fp32: {type(model).__name__}'s logits are not a Linear head of its "
                               "hidden states")
@@ -117,7 +120,7 @@ class Learner:
 
         Right-padded, no position ids: the engine passes explicit positions to its left-padded rows,
         so both see the same positions and the log-probs agree (the mismatch test)."""
-        with torch.set_grad_enabled(grad), checkpointing_active(self.checkpointed if grad else []):
+        with torch.set_grad_enabled(grad), checkpointing_active(self.checkpointed + self.dropouts if grad else []):
             return token_logprobs(
                 self.model, batch.input_ids_BS, batch.attention_mask_BS, self.config.rollout.temperature,
                 return_entropy=entropy, positions=batch.response_mask_BS, lm_head_fp32=self.config.model.lm_head_fp32,
@@ -131,10 +134,11 @@ class Learner:
         rows if None) and, for the logit proxy, the [B, S] collision probabilities. On the single-backward path
         the log-probs are a leaf: the loss's gradient reaches the model through the capture, not through autograd."""
         if self.single_backward:
-            _, capture = per_row_grad_capture(
-                self.model, batch.input_ids_BS, batch.response_mask_BS, batch.attention_mask_BS,
-                self.config.rollout.temperature, rows=needed_B, lm_head_fp32=self.config.model.lm_head_fp32,
-            )
+            with checkpointing_active(self.dropouts if grad else []):
+                _, capture = per_row_grad_capture(
+                    self.model, batch.input_ids_BS, batch.response_mask_BS, batch.attention_mask_BS,
+                    self.config.rollout.temperature, rows=needed_B, lm_head_fp32=self.config.model.lm_head_fp32,
+                )
             return capture.logprobs_BT.detach().clone().requires_grad_(grad), None, capture, None
         if needed_B is not None and self.config.advantage.grad_norm_method == "logit_proxy":
             lp_BS, entropy_BS, collision_BS = self.logprobs(batch, grad=grad, entropy=True, collision=True)

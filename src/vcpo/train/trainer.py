@@ -27,6 +27,7 @@ from vcpo.config import Config, ServerConfig
 from vcpo.errors import DiskError, HealthAlarm, RunFailed, RunInterrupted, signal_name
 from vcpo.metrics import METRICS_FILE, MetricsLogger, truncate_metrics
 from vcpo.models.loading import load_policy
+from vcpo.models.lora import apply_lora_config, is_lora, save_adapter_config
 from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, RolloutSource, SyncSource
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
@@ -132,6 +133,7 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
             handoff_timeout_s=config.async_.handoff_timeout_s,
             server=None if servers is None else server.model_dump(),
             task_options=config.task.model_dump(exclude={"name", "kwargs", "reward_timeout_s", "reward_workers"}),
+            lora=config.model.lora.model_dump() if config.model.lora.rank > 0 else None,
         )
         if backend is not None:  # Ray: rollout actors (vcpo.orchestration.ray)
             return backend.source(learner.model, spec, start_version=learner.version,
@@ -157,6 +159,8 @@ def _server_engine(config: Config, sc: ServerConfig, model_path: Path, model: to
 
     weights_dir = sc.weights_dir or str(Path(config.run_dir) / "server_weights")
     extra = [p for p in (model_path / "config.json", model_path / "generation_config.json") if p.is_file()]
+    if is_lora(model):  # each version is the adapters' tensors; vcpo serve builds the adapters from their config
+        extra.append(save_adapter_config(model, Path(weights_dir)))
     vocab = min(int(model.config.vocab_size), len(tokenizer))  # ids both the model and the server's tokenizer know
     check = None if sc.weight_check_tol is None else WeightCheck(model, WeightCheck.probe(vocab), sc.weight_check_tol)
     return server_engine(sc, weights_dir=weights_dir, extra_files=extra, abort=config.async_.inflight_updates
@@ -228,6 +232,7 @@ def _train(config: Config, resume: bool, signals: StopSignals | None, backend) -
                 prepare_scoring(task)  # the sandboxed scorer starts while the model loads
                 model_path = warm_start(config)
                 model, tokenizer = load_policy(model_path, config.model.dtype, device)
+                model = apply_lora_config(model, config.model.lora)  # rank 0: the model as it is
                 learner = Learner(model, config) if backend is None else backend.learner(model, str(model_path))
                 state, ckpt = restore(run.path, learner) if resume else ({}, None)
                 eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)

@@ -8,6 +8,19 @@ How: forward hooks keep each supported module's input (or normalised input) and 
 (see ghost_layers). Opacus 1.6 was measured and not used: its ghost clipping refuses tied embeddings (Qwen2-0.5B,
 GPT-2), captures nothing in eval mode, takes the Gram form for every layer (about 1.5x slower here) and cannot
 assemble a per-row-weighted gradient.
+
+LoRA (peft, vcpo.models.lora): an adapted layer computes ``y = W x + s B A d(x)`` with ``W`` frozen, ``s = alpha / r``
+and ``d`` the adapter dropout (identity in eval mode). peft's ``lora_A`` and ``lora_B`` are plain ``nn.Linear``
+modules, so each is hooked as any trainable linear layer and the frozen ``W`` (no trainable parameter) is not. With
+``u_t = A d(x_t)`` (lora_A's output, lora_B's input) and ``g_t = d score_b / d y_t``, lora_B's output gradient is
+``s g_t`` and lora_A's is ``s B^T g_t``, hence per row b
+
+    ``grad_B = s sum_t g_t u_t^T``  [out, r],   ``grad_A = s B^T sum_t g_t d(x_t)^T``  [r, in],
+    ``G_b = sum over adapted layers of ||grad_A||_F^2 + ||grad_B||_F^2``
+
+each squared Frobenius norm taken by the linear rule (``sum_{t,t'} (g_t . g_t')(x_t . x_t')`` over token pairs, or the
+per-row gradient materialised when that is cheaper, as it is for the r-row adapters). Nothing LoRA-specific is
+needed beyond the base weights being frozen; tests/test_lora.py checks it against the exact per-row method.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import ray
 import torch
 
 from vcpo.config import Config, config_from_dict
+from vcpo.models.lora import apply_lora_config, sync_state_dict
 from vcpo.orchestration.base import BackendError
 from vcpo.orchestration.ray.broadcast import BroadcastMember, Failed, Layout, attempt, broadcast_layout, free_endpoint
 from vcpo.orchestration.ray.session import RemoteFailed, error_line, gather, get
@@ -36,7 +37,8 @@ class LearnerActor:
         self.config = config_from_dict(config_tree)
         configure_cpu(self.config.runtime.torch_threads)
         device = resolve_device(self.config.model.device)
-        self.model, _ = load_policy(model_path, self.config.model.dtype, device)
+        self.model = apply_lora_config(load_policy(model_path, self.config.model.dtype, device)[0],
+                                       self.config.model.lora)
         self.rank, self.world_size = rank, world_size
         self.lock = threading.Lock()  # a whole step (or load) against a concurrent read of the optimizer state
         self.learner = None
@@ -87,7 +89,7 @@ class LearnerActor:
     @ray.method(concurrency_group="step")
     def broadcast_plan(self) -> tuple[str, Layout]:
         """Rank 0's device type and what it broadcasts to the rollout actors (``ray.weight_sync: broadcast``)."""
-        return next(self.model.parameters()).device.type, broadcast_layout(self.model.state_dict())
+        return next(self.model.parameters()).device.type, broadcast_layout(sync_state_dict(self.model))
 
     @ray.method(concurrency_group="step")
     def join_broadcast(self, address: str, port: int, world_size: int, backend: str, layout: Layout) -> Failed | None:
@@ -100,7 +102,7 @@ class LearnerActor:
     @ray.method(concurrency_group="step")
     def broadcast_weights(self) -> Failed | None:
         with self.lock:
-            return attempt(self.broadcast.send, self.model.state_dict())
+            return attempt(self.broadcast.send, sync_state_dict(self.model))
 
     @ray.method(concurrency_group="control")
     def optimizer_state(self) -> tuple[int, dict[str, Any]]:

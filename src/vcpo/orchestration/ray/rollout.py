@@ -16,6 +16,7 @@ from typing import Any
 import ray
 import torch
 
+from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.base import BackendError, generator_for
 from vcpo.orchestration.ray.broadcast import BroadcastMember, Failed, Layout, WeightBroadcast, attempt
 from vcpo.orchestration.ray.session import error_line, get
@@ -245,7 +246,7 @@ class RaySource:
         server is first paused, updated and resumed (``publisher``); the actors then only learn the number."""
         t0 = time.perf_counter()
         if self.publisher is not None:
-            self.publisher.publish(model.state_dict(), version)
+            self.publisher.publish(sync_state_dict(model), version)
             ref = None
         else:  # the object store holds every version (the driver's mirror loads it): the fallback of a broadcast
             ref = self.board.ref(version, model)

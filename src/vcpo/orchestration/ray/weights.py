@@ -8,10 +8,13 @@ from typing import Any
 import ray
 import torch
 
+from vcpo.models.lora import sync_state_dict
+
 
 def host_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights as CPU tensors (what the object store holds, whatever device the model is on)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    """The weights a rollout engine needs (a LoRA model's adapters only) as CPU tensors (what the object store holds,
+    whatever device the model is on)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in sync_state_dict(model).items()}
 
 
 class WeightBoard:
