@@ -49,7 +49,8 @@ class RaySession:
         self.handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             if rc.address is None:
-                self.ray.init(num_cpus=self.num_cpus(), _node_ip_address="127.0.0.1", **quiet)
+                resources = rc.demands(self.config.async_.num_workers, self.config.trainer.num_learners)
+                self.ray.init(num_cpus=self.num_cpus(), resources=resources, _node_ip_address="127.0.0.1", **quiet)
             else:
                 self.ray.init(address=rc.address, **quiet)
         except ConnectionError as exc:
