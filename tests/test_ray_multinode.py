@@ -1,9 +1,10 @@
 """The Ray backend on a real multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: each node its own
-raylet and object store, all on 127.0.0.1): rollout actors placed by custom resources on other nodes than the
-learner, a whole node removed mid-run (its actor restarted on a survivor, its groups re-issued, every step logged
-within the staleness bound), the weight broadcast formed again after a node loss, a learner rank's node removed
-(checkpoint, one line, exit 1) and the run resumed on a cluster of another shape. The cluster is the module's; every
-process it started is gone after the module, also when a test fails (``local_cluster``)."""
+raylet and object store, all on 127.0.0.1): what the cluster cannot hold is one line; one run through the command
+line with its rollout actors and learner ranks placed by custom resources on other nodes, a rollout node removed
+mid-run (its actor restarted on a survivor, its groups re-issued, the weight broadcast formed again, every step logged
+within the staleness bound), then a learner rank's node removed (checkpoint, one line, exit 1), and the run resumed
+on a cluster of another shape. The cluster is the module's; every process it started is gone after the module, also
+when a test fails (``vcpo.testing.ray_cluster.local_cluster``)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from test_e2e_cli import REQUIRED_KEYS
-from vcpo.config import RayConfig, load_config
-from vcpo.models.default import build_default_model
-from vcpo.models.loading import load_policy
+from vcpo.config import RayConfig
 from vcpo.orchestration.base import BackendError
-from vcpo.tasks import make_task
 from vcpo.testing.faults import start_train
-from vcpo.types import Batch, SamplingParams
 
 from conftest import ROOT, metrics
 
@@ -70,19 +66,12 @@ def actors(cls: str, job: str | None = None) -> list[dict]:
 
 
 def _ray_job_of_run() -> str:
-    """The job id of the newest driver other than this process (the `vcpo train` a test started)."""
+    """The job id of the newest driver other than this process (the `vcpo train` a test started last)."""
     from ray._private import state
 
     mine = ray.get_runtime_context().get_job_id()
-    jobs = [j for j in state.jobs() if j["JobID"] != mine and not j["IsDead"]]
+    jobs = [j for j in state.jobs() if j["JobID"] != mine]
     return max(jobs, key=lambda j: j["StartTime"])["JobID"]
-
-
-def _wait_lines(run: Path, n: int, proc, log: Path, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while len(metrics(run)) < n:
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
 
 
 def _check_steps(run: Path, steps: int) -> list[dict]:
@@ -104,111 +93,51 @@ def test_what_the_cluster_cannot_hold_is_one_line(nodes):
     # Two ranks of `learner: 1` on two nodes: only the head has it. Neither rank starts.
     with pytest.raises(BackendError, match=r"^the learner group \(2 ranks of \{CPU: 1, learner: 1\}, placement "
                                            r"strict_spread\) did not fit the Ray cluster within "
-                                           r"ray.placement_timeout_s=2 s; live nodes: "):
+                                           r"ray.start_timeout_s=2 s; live nodes: "):
         LearnerPlacement(RayConfig(learner_resources={"learner": 1}, learner_placement="strict_spread",
-                                   placement_timeout_s=2), 2)
+                                   start_timeout_s=2), 2)
     assert time.monotonic() - t0 < 10
     assert ray.util.placement_group_table() and all(
         g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())  # nothing left reserved
 
 
-def test_rollout_actors_on_other_nodes_and_a_node_removed_mid_run(nodes, tmp_path):
-    """The learner on the head, the 2 rollout actors spread over nodes a and b; b is removed after step 2: its actor
-    is restarted on a, its groups re-issued, and the run logs every step within the bound."""
-    run, log, steps = tmp_path / "run", tmp_path / "log.txt", 10
-    proc = start_train([*TINY, f"run_dir={run}", f"sft.cache_dir={tmp_path / 'cache'}", f"trainer.max_steps={steps}",
-                        "trainer.checkpoint_every=0", "async.num_workers=2", "ray.max_restarts=2", "ray.timeout_s=60",
-                        f"ray.address={nodes.cluster.address}"], log, ROOT)
-    try:
-        _wait_lines(run, 2, proc, log)
-        job = _ray_job_of_run()
-        [learner] = actors("LearnerActor", job)
-        assert learner["Address"]["NodeID"] == nodes.id("head")
-        rollout = actors("RolloutActor", job)
-        assert sorted(a["Address"]["NodeID"] for a in rollout) == sorted([nodes.id("a"), nodes.id("b")])
-        a_id = nodes.id("a")
-        nodes.remove("b")
-        assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
-    finally:
-        proc.kill()
-        proc.wait()
-    lines = _check_steps(run, steps)
-    assert lines[-1]["ray/actor_restarts"] == 1 and lines[-1]["ray/reissued_groups"] >= 1
-    moved = [a for a in actors("RolloutActor", job) if a["NumRestarts"] == 1]
-    assert len(moved) == 1 and moved[0]["Address"]["NodeID"] == a_id  # restarted on the survivor
-    assert json.loads((run / "summary.json").read_text())["steps"] == steps
-    nodes.add("b", {"rollout": 2})  # the next test's shape
+def _wait_for(run: Path, proc, log: Path, done, what: str, timeout_s: float = 240) -> list[dict]:
+    """The run's metric lines once ``done(lines)``; the run must still be going meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not done(lines := metrics(run)):
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.2)
+    return lines
 
 
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_broadcast_forms_again_after_a_node_loss(nodes, tmp_path):
-    """``ray.weight_sync=broadcast`` from learner rank 0 (head) to actors on nodes a and b; b is removed: the
-    broadcast fails, the versions go by the object store, and once the actor is back (on a) a new group forms and
-    every actor again holds rank 0's weights exactly."""
-    from vcpo.orchestration.ray import RayBackend
-    from vcpo.orchestration.ray.session import get
-    from vcpo.orchestration.ray.weights import host_state_dict
-    from vcpo.orchestration.worker import WorkerSpec
-
-    config = load_config(None, ["async.backend=ray", "async.mode=async", "async.num_workers=2", "async.max_staleness=1",
-                                "ray.weight_sync=broadcast", "ray.timeout_s=20", "ray.max_restarts=1",
-                                "ray.rollout_resources={rollout: 1}", "ray.learner_resources={learner: 1}",
-                                "trainer.lr=1e-2", "trainer.weight_decay=0.1", f"run_dir={tmp_path / 'run'}"])
-    path = build_default_model(make_task(config.task), 0, tmp_path / "model")
-    model, tokenizer = load_policy(path, "float32", torch.device("cpu"))
-    spec = WorkerSpec(worker_id=0, model_path=str(path), dtype="float32", device="cpu", lm_head_fp32=False,
-                      task_name=config.task.name, task_kwargs=config.task.kwargs, seed=0, prompts_per_step=4,
-                      group_size=2, sampling=SamplingParams(max_new_tokens=4), inflight_updates=True)
-    with RayBackend(config) as backend:  # joins the module's cluster
-        learner = backend.learner(model, str(path))
-        source = backend.source(model, spec, start_version=0)
-
-        def step() -> dict[str, float]:
-            batch = source.next_batch(learner.version)
-            learner.step(Batch.from_trajectories(batch, pad_id=tokenizer.pad_token_id))
-            source.publish(model, learner.version)
-            return source.metrics()
-
-        def check() -> None:
-            for actor in source.actors:
-                get(actor.generate.remote([10_000], learner.version, [None]), 60, "a request")
-                version, weights = get(actor.weights.remote(), 60, "the actor's weights")
-                assert version == learner.version and _same(weights, host_state_dict(model))
-
-        assert learner.nodes() == [nodes.id("head")]
-        assert sorted(source.nodes()) == sorted([nodes.id("a"), nodes.id("b")])
-        m = step()
-        check()
-        assert m["ray/broadcast_groups"] == 1 and m["ray/broadcast_fallbacks"] == 0
-        nodes.remove("b")
-        deadline = time.monotonic() + 150
-        while m["ray/broadcast_groups"] < 2:  # ray.timeout_s after the failed broadcast, with the restarted actor
-            assert time.monotonic() < deadline
-            m = step()
-        check()
-        assert m["ray/actor_restarts"] == 1 and m["ray/broadcast_fallbacks"] >= 1 and m["time/weight_broadcast_s"] > 0
-        assert source.nodes() == [nodes.id("a")] * 2
-    nodes.add("l", {"learner": 1})  # the next test's shape: a second node for learners
-
-
-def test_a_learner_nodes_loss_then_a_resume_on_another_shape(nodes, tmp_path):
-    """2 learner ranks on 2 nodes (head and l: a placement group, strict_spread), 2 rollout actors on a; node l is
-    removed after step 3: the run checkpoints every finished step and exits 1 with one line. It resumes on what is
-    left (1 learner rank, 3 rollout actors) and logs every step once."""
+def test_nodes_lost_mid_run_then_a_resume_on_another_shape(nodes, tmp_path):
+    """One run through the command line: 2 learner ranks in a strict_spread placement group (head and node l), 2
+    rollout actors spread over nodes a and b, weights broadcast by rank 0. Node b is removed: its actor is restarted
+    on a, its groups re-issued, the broadcast fails over to the object store and forms again with the restarted
+    actor, and every step is logged within the bound. Then node l is removed: the run checkpoints every finished step
+    and exits 1 with one line. It resumes on what is left with another shape (1 learner rank, 3 rollout actors)."""
     run, log = tmp_path / "run", tmp_path / "log.txt"
-    common = [*TINY, f"run_dir={run}", f"sft.cache_dir={tmp_path / 'cache'}", "ray.timeout_s=60",
-              f"ray.address={nodes.cluster.address}"]
-    proc = start_train([*common, "trainer.max_steps=200", "trainer.checkpoint_every=2", "async.num_workers=2",
-                        "trainer.num_learners=2", "ray.learner_placement=strict_spread"], log, ROOT)
+    common = [*TINY, f"run_dir={run}", f"sft.cache_dir={tmp_path / 'cache'}", f"ray.address={nodes.cluster.address}"]
+    nodes.add("l", {"learner": 1})
+    proc = start_train([*common, "trainer.max_steps=1000", "trainer.checkpoint_every=0", "async.num_workers=2",
+                        "trainer.num_learners=2", "ray.learner_placement=strict_spread", "ray.max_restarts=2",
+                        "ray.weight_sync=broadcast", "ray.timeout_s=15", "ray.start_timeout_s=240"], log, ROOT)
     try:
-        _wait_lines(run, 3, proc, log)
+        _wait_for(run, proc, log, lambda lines: len(lines) >= 2, "2 steps")
         job = _ray_job_of_run()
         assert sorted(a["Address"]["NodeID"] for a in actors("LearnerActor", job)) == sorted(
             [nodes.id("head"), nodes.id("l")])
-        assert {a["Address"]["NodeID"] for a in actors("RolloutActor", job)} == {nodes.id("a")}
+        assert sorted(a["Address"]["NodeID"] for a in actors("RolloutActor", job)) == sorted(
+            [nodes.id("a"), nodes.id("b")])  # spread, never on a learner's node (no rollout resource there)
+        nodes.remove("b")
+        # The actor restarted on a, then (ray.timeout_s after the failed broadcast) a new group formed with it:
+        lines = _wait_for(run, proc, log, lambda lines: lines and lines[-1]["ray/broadcast_groups"] >= 2,
+                          "the broadcast formed again")
+        rollout = actors("RolloutActor", job)
+        assert [a["Address"]["NodeID"] for a in rollout] == [nodes.id("a")] * 2
+        assert sorted(a["NumRestarts"] for a in rollout) == [0, 1]
+        lost = len(lines)
         nodes.remove("l")
         assert proc.wait(timeout=120) == 1, log.read_text()[-3000:]
     finally:
@@ -217,16 +146,25 @@ def test_a_learner_nodes_loss_then_a_resume_on_another_shape(nodes, tmp_path):
     last = log.read_text().strip().splitlines()[-1]
     assert last.startswith("error: stopped at step") and "learner rank" in last, last
     assert last.endswith(f"continue with --resume {run}"), last
+    lines = _check_steps(run, len(metrics(run)))
     saved = int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
-    assert saved == len(_check_steps(run, len(metrics(run)))) >= 3  # every finished step checkpointed
+    assert saved == len(lines) >= lost  # every finished step checkpointed
+    after = lines[lost - 1]
+    assert after["ray/actor_restarts"] == 1 and after["ray/reissued_groups"] >= 1
+    assert after["ray/broadcast_fallbacks"] >= 1 and after["time/weight_broadcast_s"] > 0
 
+    # Resume on head + a: 1 learner rank (the head's), 3 rollout actors (all on a), object-store weights.
     proc = start_train(["--resume", str(run), f"trainer.max_steps={saved + 3}", "trainer.num_learners=1",
-                        "async.num_workers=3", f"ray.address={nodes.cluster.address}"], log, ROOT)
+                        "async.num_workers=3", "ray.weight_sync=object_store",
+                        f"ray.address={nodes.cluster.address}"], log, ROOT)
     try:
         assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
         proc.kill()
         proc.wait()
+    job = _ray_job_of_run()
+    assert [a["Address"]["NodeID"] for a in actors("LearnerActor", job)] == [nodes.id("head")]
+    assert [a["Address"]["NodeID"] for a in actors("RolloutActor", job)] == [nodes.id("a")] * 3
     lines = _check_steps(run, saved + 3)
     assert lines[-1]["ray/actor_restarts"] == 0
     assert json.loads((run / "summary.json").read_text())["steps"] == saved + 3

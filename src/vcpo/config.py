@@ -437,7 +437,8 @@ class RayConfig(_Strict):
     num_cpus: int | None = Field(None, gt=0)
     """CPUs of the local instance; None = what the actors ask for (workers' plus learners')."""
     timeout_s: float = Field(300.0, gt=0)
-    """Limit on every remote call (actor start, a rollout request, a learner step, a collective)."""
+    """Limit on every remote call once the actors have started (a rollout request, a learner step, a collective); a
+    failed weight broadcast is formed again no sooner than this after the failure."""
     max_restarts: int = Field(2, ge=0)
     """Times Ray restarts a dead rollout actor (its in-flight groups are re-issued); learners are not restarted."""
     worker_num_cpus: float = Field(1.0, ge=0)
@@ -462,9 +463,9 @@ class RayConfig(_Strict):
     learner_placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
     """Strategy of the learner group's placement group (one bundle per rank, all reserved at once or none):
     pack / spread are preferences, strict_pack one node, strict_spread a node per rank."""
-    placement_timeout_s: float = Field(120.0, gt=0)
-    """How long the learner group's placement group may wait for the cluster to fit it, after which the run ends
-    with one line naming what did not fit."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """How long the actors may take to start: the learner group's placement group to fit the cluster (past it, one
+    line naming what did not fit), then each learner rank and rollout actor to load its model and task."""
 
     @field_validator("rollout_resources", "learner_resources")
     @classmethod

@@ -155,12 +155,17 @@ class LearnerGroup:
         self.placement = LearnerPlacement(rc, n)  # every rank's bundle reserved, or one line
         self.actors = [actor_cls.options(**self.placement.options(rank), max_restarts=0)
                        .remote(config.to_dict(), model_path, rank, n) for rank in range(n)]
-        address, port = get(self.actors[0].rendezvous.remote(), rc.timeout_s, "learner rank 0 (start)")
-        self._call([a.join.remote(address, port) for a in self.actors], "the learner group (process group)")
+        address, port = get(self.actors[0].rendezvous.remote(), rc.start_timeout_s, "learner rank 0 (start)",
+                            "ray.start_timeout_s")
+        self._call([a.join.remote(address, port) for a in self.actors], "the learner group (process group)",
+                   start=True)
 
-    def _call(self, refs: list, what: str) -> list:
-        """All ranks' answers; the first rank to fail (a dead actor) ends the wait at once, not at the timeout."""
+    def _call(self, refs: list, what: str, start: bool = False) -> list:
+        """All ranks' answers (within ``ray.start_timeout_s`` at the ``start``, else ``ray.timeout_s``); the first rank
+        to fail (a dead actor) ends the wait at once, not at the timeout."""
         try:
+            if start:
+                return gather(refs, self.config.ray.start_timeout_s, what, key="ray.start_timeout_s")
             return gather(refs, self.timeout_s, what)
         except RemoteFailed as failed:
             exc = failed.error

@@ -54,7 +54,7 @@ def rollout_options(rc: RayConfig) -> dict[str, Any]:
 
 class LearnerPlacement:
     """The learner group's placement group: ``n`` bundles (one per rank) reserved together within
-    ``ray.placement_timeout_s``, or a one-line ``BackendError`` naming the bundles and the cluster; ``options(rank)``
+    ``ray.start_timeout_s``, or a one-line ``BackendError`` naming the bundles and the cluster; ``options(rank)``
     are the rank's Ray options inside its bundle. Ranks that ask for nothing reserve nothing (no group)."""
 
     def __init__(self, rc: RayConfig, n: int) -> None:
@@ -65,12 +65,12 @@ class LearnerPlacement:
             return
         strategy = rc.learner_placement.upper()
         self.group = placement_group([dict(self.bundle) for _ in range(n)], strategy=strategy)
-        ready, _ = ray.wait([self.group.ready()], timeout=rc.placement_timeout_s)
+        ready, _ = ray.wait([self.group.ready()], timeout=rc.start_timeout_s)
         if not ready:
             self.remove()
             raise BackendError(f"the learner group ({n} ranks of {describe(self.bundle)}, placement "
                                f"{rc.learner_placement}) did not fit the Ray cluster within "
-                               f"ray.placement_timeout_s={rc.placement_timeout_s:g} s; live nodes: {cluster_shape()}")
+                               f"ray.start_timeout_s={rc.start_timeout_s:g} s; live nodes: {cluster_shape()}")
 
     def options(self, rank: int) -> dict[str, Any]:
         rc = self.rc

@@ -231,7 +231,9 @@ class RaySource:
                             f"restarts are used up")
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
-        if self.current is None:
+        if self.current is None:  # every actor started (engine and scorer loaded) before the first request
+            get([a.pid.remote() for a in self.actors], self.rc.start_timeout_s, "starting the rollout actors",
+                "ray.start_timeout_s")
             self.publish(self.model, self.start_version)
         batch: list[Trajectory] = []
         kept = 0
