@@ -19,7 +19,7 @@ from vcpo.config import RayConfig
 from vcpo.orchestration.base import BackendError
 from vcpo.testing.faults import start_train
 
-from conftest import ROOT, metrics
+from conftest import ROOT, metrics, processes_with
 
 ray = pytest.importorskip("ray")
 
@@ -55,7 +55,9 @@ def nodes():
     from vcpo.testing.ray_cluster import local_cluster
 
     with local_cluster(head={"learner": 1}, head_cpus=2) as cluster:
+        session = Path(cluster.head.get_session_dir_path()).name
         yield Nodes(cluster)
+    assert not processes_with(session)  # no raylet, GCS or agent of this cluster left
 
 
 def actors(cls: str, job: str | None = None) -> list[dict]:
