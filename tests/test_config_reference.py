@@ -12,7 +12,7 @@ from conftest import ROOT, vcpo
 def _leaves(tree: dict, prefix: str = "") -> set[str]:
     out = set()
     for key, value in tree.items():
-        if isinstance(value, dict) and key != "kwargs":
+        if isinstance(value, dict) and key != "kwargs" and not key.endswith("_resources"):  # mapping-valued keys
             out |= _leaves(value, f"{prefix}{key}.")
         else:
             out.add(f"{prefix}{key}")

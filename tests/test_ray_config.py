@@ -21,6 +21,12 @@ from conftest import vcpo
     (["async.backend=spark"], "config key 'async.backend'"),
     (["ray.timeout_s=0"], "config key 'ray.timeout_s'"),
     (["ray.weight_sync=nccl"], "config key 'ray.weight_sync'"),
+    (["ray.rollout_resources={GPU: 1}"], "config key 'ray.rollout_resources': GPU is set by ray.worker_num_cpus/gpus "
+                                         "and ray.learner_num_cpus/gpus, not as a custom resource"),
+    (["ray.learner_resources={learner: 0}"], "config key 'ray.learner_resources': resource 'learner' needs an amount "
+                                             "> 0 (got 0)"),
+    (["ray.learner_placement=ring"], "config key 'ray.learner_placement'"),
+    (["ray.start_timeout_s=0"], "config key 'ray.start_timeout_s'"),
     (["async.backend=ray", "ray.weight_sync=broadcast", "rollout.engine=server", "rollout.server.urls=[http://h:1]"],
      "ray.weight_sync=broadcast is for in-process rollout actors: with rollout.engine=server the servers get the "
      "weights through rollout.server"),
@@ -50,3 +56,10 @@ def test_ray_is_imported_only_when_chosen_and_its_absence_is_one_line():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == 'async.backend=ray needs Ray: pip install -e ".[ray]"'
+
+
+def test_a_local_instance_is_given_the_custom_resources_the_actors_ask_for():
+    config = load_config(None, ["async.backend=ray", "async.num_workers=3", "trainer.num_learners=2",
+                                "rollout.prompts_per_step=4", "ray.rollout_resources={rollout: 1, fast: 0.5}",
+                                "ray.learner_resources={fast: 1}"])
+    assert config.ray.demands(3, 2) == {"rollout": 3.0, "fast": 3.5}

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from vcpo.errors import DiskError, UserError
 from vcpo.objective_specs import (
@@ -454,7 +454,8 @@ class RayConfig(_Strict):
     num_cpus: int | None = Field(None, gt=0)
     """CPUs of the local instance; None = what the actors ask for (workers' plus learners')."""
     timeout_s: float = Field(300.0, gt=0)
-    """Limit on every remote call (actor start, a rollout request, a learner step, a collective)."""
+    """Limit on every remote call once the actors have started (a rollout request, a learner step, a collective); a
+    failed weight broadcast is formed again no sooner than this after the failure."""
     max_restarts: int = Field(2, ge=0)
     """Times Ray restarts a dead rollout actor (its in-flight groups are re-issued); learners are not restarted."""
     worker_num_cpus: float = Field(1.0, ge=0)
@@ -468,6 +469,40 @@ class RayConfig(_Strict):
     weight_sync: Literal["object_store", "broadcast"] = "object_store"
     """How new weights reach in-process rollout actors: fetched from the object store, or broadcast by learner rank 0
     in a process group of its own (NCCL on GPUs, gloo on CPU; the object store stays the fallback)."""
+    rollout_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each rollout actor also needs, e.g. {rollout: 1}: only nodes started with that resource
+    (``ray start --resources='{"rollout": 4}'``) take rollout actors. A local instance is given what the run needs."""
+    learner_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each learner rank also needs (a bundle of the learner group's placement group)."""
+    rollout_scheduling: Literal["spread", "default"] = "spread"
+    """Where Ray puts the rollout actors among the nodes that fit them: spread over as many nodes as it can
+    (Ray's SPREAD), or Ray's default (fill the nodes it prefers first)."""
+    learner_placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
+    """Strategy of the learner group's placement group (one bundle per rank, all reserved at once or none):
+    pack / spread are preferences, strict_pack one node, strict_spread a node per rank."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """How long the actors may take to start: the learner group's placement group to fit the cluster (past it, one
+    line naming what did not fit), then each learner rank and rollout actor to load its model and task."""
+
+    @field_validator("rollout_resources", "learner_resources")
+    @classmethod
+    def _custom_resources(cls, v: dict[str, float], info: ValidationInfo) -> dict[str, float]:
+        key = f"config key 'ray.{info.field_name}'"
+        for name, amount in v.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{key}: {name} is set by ray.worker_num_cpus/gpus and ray.learner_num_cpus/gpus, "
+                                 f"not as a custom resource")
+            if not amount > 0:
+                raise ValueError(f"{key}: resource {name!r} needs an amount > 0 (got {amount:g})")
+        return v
+
+    def demands(self, workers: int, learners: int) -> dict[str, float]:
+        """Custom resources the run's actors need in all (a local instance is started with them)."""
+        total: dict[str, float] = {}
+        for each, count in ((self.rollout_resources, workers), (self.learner_resources, learners)):
+            for name, amount in each.items():
+                total[name] = total.get(name, 0.0) + amount * count
+        return total
 
 
 class RuntimeConfig(_Strict):

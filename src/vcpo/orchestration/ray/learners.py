@@ -19,6 +19,7 @@ from vcpo.config import Config, config_from_dict
 from vcpo.models.lora import apply_lora_config, sync_state_dict
 from vcpo.orchestration.base import BackendError
 from vcpo.orchestration.ray.broadcast import BroadcastMember, Failed, Layout, attempt, broadcast_layout, free_endpoint
+from vcpo.orchestration.ray.placement import LearnerPlacement, node_id
 from vcpo.orchestration.ray.session import RemoteFailed, error_line, gather, get
 from vcpo.orchestration.ray.weights import WeightBoard, host_state_dict
 from vcpo.types import Batch
@@ -49,6 +50,10 @@ class LearnerActor:
         """This node's address and a free port for a process group: the learners' or the weight broadcast's (asked of
         rank 0)."""
         return free_endpoint()
+
+    @ray.method(concurrency_group="control")
+    def node(self) -> str:
+        return node_id()
 
     @ray.method(concurrency_group="step")
     def join(self, address: str, port: int) -> None:
@@ -149,15 +154,20 @@ class LearnerGroup:
         self.synced_version: int | None = None  # the version the ranks' weights are known to match
         self.optimizer = _OptimizerProxy(self)
         actor_cls = ray.remote(concurrency_groups={"step": 1, "control": 1})(LearnerActor)
-        self.actors = [actor_cls.options(num_cpus=rc.learner_num_cpus, num_gpus=rc.learner_num_gpus,
-                                         max_restarts=0).remote(config.to_dict(), model_path, rank, n)
-                       for rank in range(n)]
-        address, port = get(self.actors[0].rendezvous.remote(), rc.timeout_s, "learner rank 0 (start)")
-        self._call([a.join.remote(address, port) for a in self.actors], "the learner group (process group)")
+        self.placement = LearnerPlacement(rc, n)  # every rank's bundle reserved, or one line
+        self.actors = [actor_cls.options(**self.placement.options(rank), max_restarts=0)
+                       .remote(config.to_dict(), model_path, rank, n) for rank in range(n)]
+        address, port = get(self.actors[0].rendezvous.remote(), rc.start_timeout_s, "learner rank 0 (start)",
+                            "ray.start_timeout_s")
+        self._call([a.join.remote(address, port) for a in self.actors], "the learner group (process group)",
+                   start=True)
 
-    def _call(self, refs: list, what: str) -> list:
-        """All ranks' answers; the first rank to fail (a dead actor) ends the wait at once, not at the timeout."""
+    def _call(self, refs: list, what: str, start: bool = False) -> list:
+        """All ranks' answers (within ``ray.start_timeout_s`` at the ``start``, else ``ray.timeout_s``); the first rank
+        to fail (a dead actor) ends the wait at once, not at the timeout."""
         try:
+            if start:
+                return gather(refs, self.config.ray.start_timeout_s, what, key="ray.start_timeout_s")
             return gather(refs, self.timeout_s, what)
         except RemoteFailed as failed:
             exc = failed.error
@@ -195,7 +205,12 @@ class LearnerGroup:
         return metrics | {"time/learner_group_s": t1 - t0, "time/weight_sync_s": metrics["time/weight_put_s"]
                           + time.perf_counter() - t1}
 
+    def nodes(self) -> list[str]:
+        """The Ray node of each rank."""
+        return get([a.node.remote() for a in self.actors], self.timeout_s, "learner node")
+
     def close(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
+        self.placement.remove()

@@ -19,6 +19,7 @@ import torch
 from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.base import BackendError, generator_for
 from vcpo.orchestration.ray.broadcast import BroadcastMember, Failed, Layout, WeightBroadcast, attempt
+from vcpo.orchestration.ray.placement import node_id, rollout_options
 from vcpo.orchestration.ray.session import error_line, get
 from vcpo.orchestration.ray.weights import WeightBoard, host_state_dict
 from vcpo.orchestration.staleness import StalenessController
@@ -53,6 +54,10 @@ class RolloutActor:
     @ray.method(concurrency_group="control")
     def pid(self) -> int:
         return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def node(self) -> str:
+        return node_id()
 
     @ray.method(concurrency_group="control")
     def sync_device(self) -> str:
@@ -149,11 +154,10 @@ class RaySource:
         self.controller.stats.admitted = start_version * self.P  # groups already consumed before a resume
         self.next_group = start_version * self.P
         actor_cls = ray.remote(concurrency_groups={"rollout": 1, "control": 1})(RolloutActor)
+        options = rollout_options(ray_config)  # spread over the nodes that fit; one line if none does
         self.actors = [
-            actor_cls.options(
-                num_cpus=ray_config.worker_num_cpus, num_gpus=ray_config.worker_num_gpus,
-                max_restarts=ray_config.max_restarts, max_task_retries=0,
-            ).remote(WorkerSpec(**{**spec.__dict__, "worker_id": i}), ray_config.timeout_s, jitter_s)
+            actor_cls.options(**options, max_restarts=ray_config.max_restarts, max_task_retries=0)
+            .remote(WorkerSpec(**{**spec.__dict__, "worker_id": i}), ray_config.timeout_s, jitter_s)
             for i in range(num_workers)
         ]
         self.pending: deque[int] = deque()  # admitted group indices not yet sent (re-issued ones first)
@@ -170,6 +174,10 @@ class RaySource:
 
     def pids(self) -> list[int]:
         return get([a.pid.remote() for a in self.actors], self.rc.timeout_s, "rollout actor pid")
+
+    def nodes(self) -> list[str]:
+        """The Ray node of each rollout actor (where it lives now: a restarted actor may have moved)."""
+        return get([a.node.remote() for a in self.actors], self.rc.timeout_s, "rollout actor node")
 
     def _admit_and_send(self) -> None:
         while self.controller.try_admit() is not None:
@@ -224,7 +232,9 @@ class RaySource:
                             f"restarts are used up")
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
-        if self.current is None:
+        if self.current is None:  # every actor started (engine and scorer loaded) before the first request
+            get([a.pid.remote() for a in self.actors], self.rc.start_timeout_s, "starting the rollout actors",
+                "ray.start_timeout_s")
             self.publish(self.model, self.start_version)
         batch: list[Trajectory] = []
         kept = 0

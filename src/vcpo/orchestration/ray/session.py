@@ -49,7 +49,8 @@ class RaySession:
         self.handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             if rc.address is None:
-                self.ray.init(num_cpus=self.num_cpus(), _node_ip_address="127.0.0.1", **quiet)
+                resources = rc.demands(self.config.async_.num_workers, self.config.trainer.num_learners)
+                self.ray.init(num_cpus=self.num_cpus(), resources=resources, _node_ip_address="127.0.0.1", **quiet)
             else:
                 self.ray.init(address=rc.address, **quiet)
         except ConnectionError as exc:
@@ -69,14 +70,14 @@ class RaySession:
                 signal.signal(sig, handler)
 
 
-def get(refs, timeout_s: float, what: str):
-    """``ray.get`` with a deadline: past it, one line naming the call and the key that sets the limit."""
+def get(refs, timeout_s: float, what: str, key: str = "ray.timeout_s"):
+    """``ray.get`` with a deadline: past it, one line naming the call and ``key``, the key that sets the limit."""
     import ray
 
     try:
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        raise BackendError(f"{what} did not answer within ray.timeout_s={timeout_s:g} s") from None
+        raise BackendError(f"{what} did not answer within {key}={timeout_s:g} s") from None
 
 
 def error_line(error: BaseException) -> str:
@@ -94,16 +95,18 @@ class RemoteFailed(Exception):
         self.index, self.error = index, error
 
 
-def gather(refs: list, timeout_s: float, what: str, refuse: Callable[[Any], str | None] = lambda _: None) -> list:
-    """Every answer of ``refs`` in order, within ``timeout_s`` in all; the first call to fail ends the wait at once
-    (``RemoteFailed``), as does an answer that ``refuse`` gives a reason for (one line naming ``what``)."""
+def gather(refs: list, timeout_s: float, what: str, refuse: Callable[[Any], str | None] = lambda _: None,
+           key: str = "ray.timeout_s") -> list:
+    """Every answer of ``refs`` in order, within ``timeout_s`` (set by ``key``) in all; the first call to fail ends
+    the wait at once (``RemoteFailed``), as does an answer that ``refuse`` gives a reason for (one line naming
+    ``what``)."""
     import ray
 
     deadline, waiting = time.monotonic() + timeout_s, list(refs)
     while waiting:
         done, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not done:
-            raise BackendError(f"{what} did not finish within ray.timeout_s={timeout_s:g} s")
+            raise BackendError(f"{what} did not finish within {key}={timeout_s:g} s")
         try:
             answer = ray.get(done[0])
         except ray.exceptions.RayError as exc:
