@@ -26,6 +26,7 @@ from vcpo.errors import DiskError, RunFailed, RunInterrupted, signal_name
 from vcpo.metrics import METRICS_FILE, MetricsLogger, truncate_metrics
 from vcpo.models.loading import load_policy
 from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, RolloutSource, SyncSource
+from vcpo.orchestration.adaptive_staleness import adaptive_staleness
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu, resolve_device
@@ -101,8 +102,9 @@ def make_source(config: Config, learner: Learner, tokenizer, task, model_path: P
     from vcpo.orchestration.replay import ReplayBuffer, ReplaySource
 
     buffer = ReplayBuffer(replay.capacity, replay.recent_fraction, replay.priority_inv_temp, replay.max_uses,
-                          max_age=config.async_.max_staleness, seed=config.seed)
-    return ReplaySource(source, buffer, replay.groups_per_step or config.rollout.prompts_per_step)
+                          max_age=config.async_.initial_staleness(), seed=config.seed)
+    return ReplaySource(source, buffer, replay.groups_per_step or config.rollout.prompts_per_step,
+                        inner_follows_bound=config.async_.generation_follows_bound())
 
 
 def _generating_source(config: Config, learner: Learner, tokenizer, task, model_path: Path, backend,
@@ -254,6 +256,7 @@ class _Job:
         self.eval_problems, self.state, self.signals, self.backend = eval_problems, state, signals, backend
         self.start_step = self.saved_step = self.logged_step = learner.version
         self.health = RunHealth.from_state(state.get("health"))
+        self.bound = adaptive_staleness(config.async_, state.get("staleness"))  # None for a fixed k
         self.initial_accuracy: float | None = state.get("initial_accuracy")
         self.last_accuracy: float | None = state.get("last_accuracy", self.initial_accuracy)
         self.source: RolloutSource | None = None
@@ -294,6 +297,8 @@ class _Job:
                                       servers)
             if "source" in self.state:
                 self.source.load_state(self.state["source"])
+            if self.bound is not None:
+                self.source.set_bound(self.bound.k)
             with (
                 MetricsLogger(self.run_dir, tensorboard=self.config.logging.tensorboard) as logger,
                 _progress(self.config.logging.progress) as bar,
@@ -352,6 +357,9 @@ class _Job:
             metrics = batch_metrics(trajectories, learner.version)
             batch = Batch.from_trajectories(trajectories, pad_id=self.tokenizer.pad_token_id)
             metrics |= learner.step(batch)
+            if self.bound is not None:  # the bound this batch was taken under, then the next step's from its ESS
+                metrics["staleness/bound"] = float(self.bound.k)
+                self.source.set_bound(self.bound.observe(metrics.get("ess/ratio")))
             self.source.publish(learner.model, learner.version)
             metrics |= self.source.metrics()
             self.health.record(metrics)
@@ -389,7 +397,7 @@ class _Job:
         trainer_state = {
             "step": self.learner.version, "initial_accuracy": self.initial_accuracy,
             "last_accuracy": self.last_accuracy, "source": self.source.state(), "health": self.health.state(),
-        }
+        } | ({"staleness": self.bound.state()} if self.bound is not None else {})
         try:
             save_checkpoint(self.run_dir, self.learner.version, self.learner.model, self.tokenizer,
                             self.learner.optimizer, trainer_state)
@@ -430,6 +438,8 @@ class _Job:
             "wall_time_s": time.perf_counter() - self.started, "objective": self.config.objective.name,
             "mode": self.config.async_.mode, "max_staleness": self.config.async_.max_staleness,
         } | self.health.counts(self.source.metrics() if self.source is not None else {})
+        if self.bound is not None:  # async.max_staleness: auto
+            summary["staleness_bound"] = self.bound.k
         try:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         except OSError as e:
