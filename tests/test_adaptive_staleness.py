@@ -9,7 +9,6 @@ import json
 import pytest
 import yaml
 
-from conftest import metrics, vcpo
 from vcpo.config import ConfigError, load_config
 from vcpo.orchestration import local
 from vcpo.orchestration.adaptive_staleness import AdaptiveStaleness, AIMDSettings, adaptive_staleness
@@ -17,6 +16,8 @@ from vcpo.orchestration.local import LaggedSource
 from vcpo.orchestration.staleness import StalenessController
 from vcpo.study.sweep import Cell, run_sweep
 from vcpo.types import SamplingParams, Trajectory
+
+from conftest import metrics, vcpo
 
 
 def settings(**kw) -> AIMDSettings:
@@ -200,3 +201,17 @@ def test_lagged_auto_moves_k_logs_it_and_resumes_exactly(tmp_path, tiny):
     summary = json.loads((full / "summary.json").read_text())
     assert summary["max_staleness"] == "auto" and summary["staleness_bound"] in (2, 6)
     assert_resumed_run_matches(full, tmp_path / "part", [*tiny, *AUTO])
+
+
+def test_async_auto_changes_the_admission_bound_live(tmp_path, tiny):
+    # A decision every step: step 1's ESS ratio (lag 0: about 1) moves k from 4 to 6 or 2 for step 2, and so on;
+    # whatever the timing, every batch respects the bound it was taken under.
+    run = tmp_path / "async"
+    vcpo("train", *tiny, f"run_dir={run}", "async.mode=async", "async.max_staleness=auto", "async.auto.k_min=1",
+         "async.auto.k_max=6", "async.auto.k_start=4", "async.auto.window=1", "async.auto.ess_target=0.99",
+         "async.auto.increase_step=2", "trainer.max_steps=4")
+    lines = metrics(run)
+    bounds = [m["staleness/bound"] for m in lines]
+    assert len(bounds) == 4 and bounds[0] == 4 and bounds[1] in (2, 6)
+    assert all(m["staleness/max"] <= m["staleness/bound"] for m in lines)
+    assert all("staleness/dropped_over_bound" in m for m in lines)
