@@ -215,3 +215,23 @@ def test_async_auto_changes_the_admission_bound_live(tmp_path, tiny):
     assert len(bounds) == 4 and bounds[0] == 4 and bounds[1] in (2, 6)
     assert all(m["staleness/max"] <= m["staleness/bound"] for m in lines)
     assert all("staleness/dropped_over_bound" in m for m in lines)
+
+
+def test_replay_ages_follow_the_bound_and_a_fixed_generation_lag_stays():
+    from vcpo.orchestration.replay import ReplayBuffer, ReplaySource
+
+    class Inner:
+        def __init__(self) -> None:
+            self.bounds: list[int] = []
+
+        def set_bound(self, k: int) -> None:
+            self.bounds.append(k)
+
+    def replay(follows: bool) -> ReplaySource:
+        return ReplaySource(Inner(), ReplayBuffer(8, 0.5, 0.0, 2, max_age=4, seed=0), 2, inner_follows_bound=follows)
+
+    following, fixed = replay(True), replay(False)
+    following.set_bound(7)
+    fixed.set_bound(3)
+    assert (following.buffer.max_age, following.inner.bounds) == (7, [7])
+    assert (fixed.buffer.max_age, fixed.inner.bounds) == (3, [])
