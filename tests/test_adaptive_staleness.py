@@ -80,11 +80,11 @@ def test_settings_refuse_what_the_rule_cannot_use(kw):
 def test_auto_config_and_its_controller():
     cfg = load_config(None, ["async.mode=lagged", "async.max_staleness=auto", "async.auto.k_min=2",
                              "async.auto.k_max=32"])
-    assert cfg.async_.is_auto and cfg.async_.initial_staleness() == 2 and cfg.async_.largest_staleness() == 32
+    assert cfg.async_.is_auto and cfg.async_.initial_staleness() == 2 and cfg.async_.generation_bound() == 2
     assert adaptive_staleness(cfg.async_).k == 2
     assert adaptive_staleness(cfg.async_, {"k": 9, "window": [0.5]}).state() == {"k": 9, "window": [0.5]}
     fixed = load_config(None, ["async.max_staleness=3"]).async_
-    assert adaptive_staleness(fixed) is None and fixed.initial_staleness() == fixed.largest_staleness() == 3
+    assert adaptive_staleness(fixed) is None and fixed.initial_staleness() == fixed.generation_bound() == 3
     assert load_config(None, ["async.max_staleness='5'"]).async_.max_staleness == 5
 
 

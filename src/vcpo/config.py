@@ -349,8 +349,8 @@ class ReplayConfig(_Strict):
     """Groups trained on per step; None = rollout.prompts_per_step (the groups generated per step)."""
     generation_lag: int | None = Field(None, ge=0)
     """The staleness bound the rollout source itself runs with (lagged: its exact lag; async: its
-    admission bound; sync: 0 whatever this says); None = async.max_staleness. Replayed groups then
-    age up to async.max_staleness, the bound on every token trained on."""
+    admission bound; sync: 0 whatever this says); None = async.max_staleness (with auto: the k in force).
+    Replayed groups then age up to async.max_staleness, the bound on every token trained on."""
 
 
 class AutoStalenessConfig(_Strict):
@@ -434,17 +434,11 @@ class AsyncConfig(_Strict):
             return self.max_staleness
         return self.auto.k_min if self.auto.k_start is None else self.auto.k_start
 
-    def largest_staleness(self) -> int:
-        """The largest bound the run may ever use: the fixed k, or auto's k_max."""
-        return self.auto.k_max if self.is_auto else self.max_staleness
-
-    def generation_bound(self, k: int | None = None) -> int:
-        """The staleness bound handed to the rollout source: replay's generation_lag when set, else the bound k in
-        force (``k``; default: the first step's)."""
+    def generation_bound(self) -> int:
+        """The staleness bound the rollout source starts with: replay's generation_lag when set, else the first
+        step's k (with ``auto`` the trainer then moves it, ``generation_follows_bound``)."""
         lag = self.replay.generation_lag
-        if self.replay.enabled and lag is not None:
-            return lag
-        return self.initial_staleness() if k is None else k
+        return lag if self.replay.enabled and lag is not None else self.initial_staleness()
 
     def generation_follows_bound(self) -> bool:
         """Whether the rollout source's own bound moves with k (no fixed replay generation_lag)."""

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vcpo.config import AsyncConfig
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class AdaptiveStaleness:
         return cls(settings, k=int(state["k"]), window=[float(x) for x in state["window"]])
 
 
-def adaptive_staleness(async_config, state: dict[str, Any] | None = None) -> AdaptiveStaleness | None:
+def adaptive_staleness(async_config: AsyncConfig, state: dict[str, Any] | None = None) -> AdaptiveStaleness | None:
     """The run's controller when ``async.max_staleness`` is ``auto`` (None for a fixed k), from its
     ``async.auto`` settings and, on resume, the checkpointed ``state``."""
     if not async_config.is_auto:
