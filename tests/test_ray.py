@@ -262,3 +262,32 @@ def test_weight_broadcast_through_the_cli(cluster, tmp_path):
     assert lines[-1]["ray/broadcast_groups"] == 1  # formed once, at the first learner version
     # Only the start version (the driver's weights, not rank 0's) went through the object store: once per actor.
     assert sum(m["ray/weight_loads"] for m in lines) <= 2
+
+
+def test_a_bound_lowered_and_raised_live_holds_for_every_batch(cluster, tmp_path):
+    """async.max_staleness: auto on Ray: the driver's admission bound changes between steps (set_bound)."""
+    from vcpo.orchestration.ray.rollout import RaySource
+    from vcpo.orchestration.ray.weights import WeightBoard
+    from vcpo.orchestration.worker import WorkerSpec
+
+    task_config = TaskConfig()
+    path = build_default_model(make_task(task_config), 0, tmp_path / "model")
+    model, _ = load_policy(path, "float32", torch.device("cpu"))
+    spec = WorkerSpec(worker_id=0, model_path=str(path), dtype="float32", device="cpu", lm_head_fp32=False,
+                      task_name=task_config.name, task_kwargs=task_config.kwargs, seed=0, prompts_per_step=4,
+                      group_size=2, sampling=SamplingParams(max_new_tokens=6), inflight_updates=True)
+    source = RaySource(model, spec, 2, 3, None, 0, WeightBoard(), RayConfig(timeout_s=120), jitter_s=0.01)
+    schedule, k = {4: 0, 8: 2}, 3
+    try:
+        for version in range(11):
+            batch = source.next_batch(version)
+            assert max(version - v for t in batch for v in t.versions) <= k
+            with torch.no_grad():
+                next(model.parameters()).add_(1e-3)
+            if version + 1 in schedule:
+                k = schedule[version + 1]
+                source.set_bound(k)
+            source.publish(model, version + 1)
+        assert source.controller.k == 2
+    finally:
+        source.close()

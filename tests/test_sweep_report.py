@@ -154,9 +154,13 @@ def test_every_arm_is_a_valid_config(tmp_path):
     from vcpo.config import load_config
 
     for arm in ARMS:
-        argv = cell_argv(tmp_path / "b.yaml", Cell(arm, 4, 1, tmp_path / arm), [])
+        argv = cell_argv(tmp_path / "b.yaml", Cell(arm, 16, 1, tmp_path / arm), [])
         cfg = load_config(None, argv[argv.index("-c") + 2:])
-        assert (cfg.async_.mode, cfg.async_.max_staleness, cfg.seed) == ("lagged", 4, 1)
+        if arm.endswith("_auto"):  # an adaptive arm's k is its upper bound
+            assert (cfg.async_.max_staleness, cfg.async_.auto.k_max) == ("auto", 16)
+        else:
+            assert cfg.async_.max_staleness == 16
+        assert (cfg.async_.mode, cfg.seed) == ("lagged", 1)
     assert load_config(None, list(ARMS["vcpo_opob_only"])).trainer.ess_lr.enabled is False
     assert load_config(None, list(ARMS["tis_seq"])).objective.kwargs == {"level": "sequence", "cap": 8}
 

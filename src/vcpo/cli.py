@@ -304,6 +304,7 @@ def sweep(
             ks=_int_list("--ks", ks) or preset.ks, seeds=_int_list("--seeds", seeds) or preset.seeds,
             workers=workers, extra_overrides=[*preset.overrides, *(overrides or [])],
             command=" ".join(["vcpo", *sys.argv[1:]]), warm_starts=pins,
+            auto_ks=_int_list("--ks", ks) or preset.auto_ks,
         )
         failed = [r["cell"] for r in results if r["status"] != "done"]
         console.print(f"{len(results) - len(failed)} of {len(results)} cells done; results in {out / 'results.jsonl'}"

@@ -414,8 +414,39 @@ class ReplayConfig(_Strict):
     """Groups trained on per step; None = rollout.prompts_per_step (the groups generated per step)."""
     generation_lag: int | None = Field(None, ge=0)
     """The staleness bound the rollout source itself runs with (lagged: its exact lag; async: its
-    admission bound; sync: 0 whatever this says); None = async.max_staleness. Replayed groups then
-    age up to async.max_staleness, the bound on every token trained on."""
+    admission bound; sync: 0 whatever this says); None = async.max_staleness (with auto: the k in force).
+    Replayed groups then age up to async.max_staleness, the bound on every token trained on."""
+
+
+class AutoStalenessConfig(_Strict):
+    """The ESS-driven bound of ``async.max_staleness: auto`` (docs/trainer.md, adaptive staleness); ignored with a
+    fixed k. Every ``window`` steps the mean ESS ratio of those steps is compared with ``ess_target``: below it k is
+    multiplied by ``decrease_factor`` (rounded down), at or above it k grows by ``increase_step``, within
+    [k_min, k_max]."""
+
+    k_min: int = Field(1, ge=0)
+    """The lowest bound the controller may set (0 = synchronous batches)."""
+    k_max: int = Field(64, ge=1)
+    """The highest bound the controller may set; above k_min."""
+    k_start: int | None = Field(None, ge=0)
+    """The bound of the first steps, within [k_min, k_max]; None = k_min (start safe, earn staleness)."""
+    ess_target: float = Field(0.4, gt=0, lt=1)
+    """The ESS ratio a window's mean must reach for k to grow; below it k shrinks."""
+    window: int = Field(10, gt=0)
+    """Steps per decision: the ESS ratios of this many steps are averaged, then k moves and a new window starts."""
+    decrease_factor: float = Field(0.5, gt=0, lt=1)
+    """Multiplicative decrease of k after a window whose mean ESS ratio is below ess_target."""
+    increase_step: int = Field(4, gt=0)
+    """Additive increase of k after a window whose mean ESS ratio reaches ess_target."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoStalenessConfig:
+        if self.k_max <= self.k_min:
+            raise ValueError(f"async.auto.k_max={self.k_max} must be above async.auto.k_min={self.k_min}")
+        if self.k_start is not None and not self.k_min <= self.k_start <= self.k_max:
+            raise ValueError(f"async.auto.k_start={self.k_start} must lie within [async.auto.k_min, "
+                             f"async.auto.k_max] = [{self.k_min}, {self.k_max}]")
+        return self
 
 
 class AsyncConfig(_Strict):
@@ -424,8 +455,9 @@ class AsyncConfig(_Strict):
     mode: Literal["sync", "lagged", "async"] = "async"
     """``sync``: sampled by the current policy; ``lagged``: always exactly max_staleness steps behind (a controlled
     lag for studies); ``async``: rollout workers run beside the learner, at most max_staleness steps behind."""
-    max_staleness: int = Field(2, ge=0)
-    """k: the largest allowed policy lag of any token, in optimizer steps."""
+    max_staleness: int | Literal["auto"] = 2
+    """k: the largest allowed policy lag of any token, in optimizer steps; ``auto``: a bound that follows the ESS
+    ratio within the bounds of ``async.auto`` (lagged and async modes; docs/trainer.md, adaptive staleness)."""
     drop_older_than: float | None = Field(None, ge=0)
     """ROLL-Flash alpha: drop samples created more than alpha steps behind the trainer."""
     inflight_updates: bool = True
@@ -439,11 +471,43 @@ class AsyncConfig(_Strict):
     backend: Literal["local", "ray"] = "local"
     """Where async mode's rollout workers and the learner run: local processes, or Ray actors (docs/ray.md)."""
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    auto: AutoStalenessConfig = Field(default_factory=AutoStalenessConfig)
+
+    @field_validator("max_staleness", mode="before")
+    @classmethod
+    def _int_or_auto(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v)
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            return v
+        raise ValueError("must be an integer >= 0 or auto")
+
+    @model_validator(mode="after")
+    def _auto_needs_a_lag(self) -> AsyncConfig:
+        if self.is_auto and self.mode == "sync":
+            raise ValueError("async.max_staleness=auto needs async.mode=lagged or async (sync mode has no lag)")
+        return self
+
+    @property
+    def is_auto(self) -> bool:
+        """Whether the bound adapts to the ESS ratio (``max_staleness: auto``)."""
+        return self.max_staleness == "auto"
+
+    def initial_staleness(self) -> int:
+        """The bound k of the first step: the fixed k, or auto's k_start (k_min when unset)."""
+        if not self.is_auto:
+            return self.max_staleness
+        return self.auto.k_min if self.auto.k_start is None else self.auto.k_start
 
     def generation_bound(self) -> int:
-        """The staleness bound handed to the rollout source: replay's generation_lag when set, else k."""
+        """The staleness bound the rollout source starts with: replay's generation_lag when set, else the first
+        step's k (with ``auto`` the trainer then moves it, ``generation_follows_bound``)."""
         lag = self.replay.generation_lag
-        return lag if self.replay.enabled and lag is not None else self.max_staleness
+        return lag if self.replay.enabled and lag is not None else self.initial_staleness()
+
+    def generation_follows_bound(self) -> bool:
+        """Whether the rollout source's own bound moves with k (no fixed replay generation_lag)."""
+        return not (self.replay.enabled and self.replay.generation_lag is not None)
 
 
 class RayConfig(_Strict):
@@ -580,19 +644,22 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _replay_fits(self) -> Config:
-        replay, k = self.async_.replay, self.async_.max_staleness
+        replay, ac = self.async_.replay, self.async_
         if not replay.enabled:
             return self
         per_step = max(replay.groups_per_step or 0, self.rollout.prompts_per_step)
         if replay.capacity < per_step:
             raise ValueError(f"async.replay.capacity={replay.capacity} must hold at least one step's groups "
                              f"({per_step}: rollout.prompts_per_step / async.replay.groups_per_step)")
-        if self.async_.generation_bound() > k:
-            raise ValueError(f"async.replay.generation_lag={replay.generation_lag} exceeds async.max_staleness={k}, "
-                             f"the bound on every token trained on")
-        if self.async_.mode == "lagged" and self.async_.generation_bound() == k:
-            raise ValueError(f"async.replay.generation_lag must be below async.max_staleness={k} in lagged mode: "
-                             f"fresh groups arrive exactly that old, so none could ever be replayed")
+        # With auto, the buffer's age limit follows k down to k_min: the generation lag must fit the lowest k.
+        k, name = (ac.auto.k_min, "async.auto.k_min") if ac.is_auto else (ac.max_staleness, "async.max_staleness")
+        lag = replay.generation_lag
+        if lag is not None and lag > k:
+            raise ValueError(f"async.replay.generation_lag={lag} exceeds {name}={k}, the bound on every token "
+                             f"trained on")
+        if ac.mode == "lagged" and (lag is None or lag == k):
+            raise ValueError(f"async.replay.generation_lag must be below {name}={k} in lagged mode: fresh groups "
+                             f"arrive exactly that old, so none could ever be replayed")
         return self
 
     @model_validator(mode="after")

@@ -245,6 +245,10 @@ class AsyncSource:
         if self.workers and self._failure is None:
             self._admit()
 
+    def set_bound(self, k: int) -> None:
+        """The bound from now on; the next ``publish`` admits what it allows (vcpo.orchestration.staleness)."""
+        self.controller.set_bound(k)
+
     def metrics(self) -> dict[str, float]:
         s = self.controller.stats
         out = {"staleness/dropped_over_bound": float(s.dropped_over_bound + self._before.get("dropped_over_bound", 0)),

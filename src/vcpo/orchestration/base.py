@@ -27,6 +27,10 @@ class RolloutSource(Protocol):
         """The learner finished a step: ``model`` now holds policy ``version``."""
         ...
 
+    def set_bound(self, k: int) -> None:
+        """The staleness bound k in force from the next batch on (``async.max_staleness: auto``)."""
+        ...
+
     def metrics(self) -> dict[str, float]:
         """The source's own per-step metrics (e.g. samples dropped for staleness)."""
         ...

@@ -30,6 +30,11 @@ def _at_version(engine, remote_model: torch.nn.Module | None, version: int) -> N
         engine.load_weights(sync_state_dict(remote_model), version)
 
 
+def _made_at(batch: list[Trajectory], index: int) -> int:
+    """The policy version that generated a queued batch (``index`` itself, lag 0, if it holds no token)."""
+    return min((v for t in batch for v in t.versions), default=index)
+
+
 class SyncSource:
     """Generate batch t with the current weights, then train on it: every token has lag 0.
 
@@ -47,6 +52,9 @@ class SyncSource:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         if self.remote_model is None:
             self.engine.version = version  # a remote engine gets the weights when the next batch needs them
+
+    def set_bound(self, k: int) -> None:
+        pass  # every token has lag 0 whatever the bound
 
     def metrics(self) -> dict[str, float]:
         return {}
@@ -67,6 +75,12 @@ class LaggedSource:
     Rather than keeping k old copies of the weights, batch t + k is generated right after the step
     that produced version t, while those weights are current, and waits in a queue; the queue is
     part of the checkpoint, so a resumed run trains on exactly the same batches. ``remote_model`` as in SyncSource.
+
+    When k changes (``set_bound``) at version v, every queued batch that would be trained at a lag above the new k
+    is dropped, and each missing batch of v..v+k is generated from version v: lowering k from K to K' restarts the
+    lag at 0 (the weights of v - K' are gone), from where it grows by one per step back to K'; raising it lets the
+    lag grow one step per step from K to K' after the K queued batches are used up. Either way no batch is ever
+    trained at a lag above the k in force, and the run stays exactly reproducible.
     """
 
     def __init__(self, engine, ctx: RolloutContext, max_staleness: int,
@@ -76,29 +90,43 @@ class LaggedSource:
         self.remote_model = remote_model
         self.k = max_staleness
         self.pending: dict[int, list[Trajectory]] = {}
+        self.dropped = 0  # groups of the batches dropped for a lowered bound
+        self.adaptive = False  # set_bound was called: the drop count is reported
 
-    def _fill(self, version: int, indices: range) -> None:
-        _at_version(self.engine, self.remote_model, version)
-        for index in indices:
-            if index not in self.pending:
-                self.pending[index] = _generate_batch(self.engine, self.ctx, index)
+    def _fill(self, version: int) -> None:
+        """Drop the queued batches that would lag more than k; generate every missing batch of version..version+k
+        from ``version`` (at the start of a run, batches 0..k all use version 0)."""
+        for index in [i for i, b in self.pending.items() if i - _made_at(b, i) > self.k]:
+            self.dropped += len({t.group_id for t in self.pending.pop(index)})
+        missing = [i for i in range(version, version + self.k + 1) if i not in self.pending]
+        if missing:
+            _at_version(self.engine, self.remote_model, version)
+        for index in missing:
+            self.pending[index] = _generate_batch(self.engine, self.ctx, index)
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
-        if learner_version not in self.pending:  # the start of a run: batches 0..k all use version 0
-            self._fill(learner_version, range(learner_version, learner_version + self.k + 1))
+        if learner_version not in self.pending:
+            self._fill(learner_version)
         return self.pending.pop(learner_version)
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        self._fill(version, range(version + self.k, version + self.k + 1))
+        self._fill(version)
+
+    def set_bound(self, k: int) -> None:
+        self.k = k  # applied by the next publish (or next_batch after a resume)
+        self.adaptive = True
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        return {"staleness/dropped_over_bound": float(self.dropped)} if self.adaptive else {}
 
     def state(self) -> dict[str, Any]:
-        return {str(i): [trajectory_to_dict(t) for t in b] for i, b in self.pending.items()}
+        """The queued batches by index (``"dropped"``: the drop count, when any batch was dropped)."""
+        state: dict[str, Any] = {str(i): [trajectory_to_dict(t) for t in b] for i, b in self.pending.items()}
+        return state | ({"dropped": self.dropped} if self.dropped else {})
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.pending = {int(i): [trajectory_from_dict(d) for d in b] for i, b in state.items()}
+        self.dropped = int(state.get("dropped", 0))
+        self.pending = {int(i): [trajectory_from_dict(d) for d in b] for i, b in state.items() if i != "dropped"}
 
     def close(self) -> None:
         pass

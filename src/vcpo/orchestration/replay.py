@@ -166,10 +166,12 @@ class ReplaySource:
     """A ``RolloutSource`` that feeds every batch of an inner source into a ``ReplayBuffer`` and
     returns the buffer's draw: the trainer stays mode-blind and sees only trajectories."""
 
-    def __init__(self, inner: RolloutSource, buffer: ReplayBuffer, groups_per_step: int) -> None:
+    def __init__(self, inner: RolloutSource, buffer: ReplayBuffer, groups_per_step: int,
+                 inner_follows_bound: bool = True) -> None:
         self.inner = inner
         self.buffer = buffer
         self.groups_per_step = groups_per_step
+        self.inner_follows_bound = inner_follows_bound
         self._metrics: dict[str, float] = {}
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
@@ -187,6 +189,13 @@ class ReplaySource:
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         self.inner.publish(model, version)
+
+    def set_bound(self, k: int) -> None:
+        """k bounds every token trained on: the buffer's age limit, and the inner source's own bound unless that
+        runs at a fixed ``async.replay.generation_lag`` (``inner_follows_bound`` False)."""
+        self.buffer.max_age = k
+        if self.inner_follows_bound:
+            self.inner.set_bound(k)
 
     def metrics(self) -> dict[str, float]:
         return self.inner.metrics() | self._metrics

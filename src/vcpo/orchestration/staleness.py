@@ -4,7 +4,7 @@ The policy lag of a token is ``learner_version - version_that_produced_it``. Wit
 rollout group may start only while ``admitted - dropped < (k + version + 1) * groups_per_step``
 (AReaL's rule, ALGORITHMS.md §9); at batch time every group is checked again and one whose oldest
 token would lag more than k (or more than ROLL Flash's alpha, when set) is dropped, so the bound
-holds even when groups finish out of order.
+holds even when groups finish out of order. The bound may change between steps (``set_bound``).
 """
 
 from __future__ import annotations
@@ -59,6 +59,15 @@ class StalenessController:
 
     def _net(self) -> int:
         return self.stats.admitted - self.stats.dropped_over_bound - self.stats.dropped_alpha
+
+    def set_bound(self, k: int) -> None:
+        """Change k live (``async.max_staleness: auto``): admission uses the new k at once, so lowering it holds new
+        groups back until the learner catches up, and the batch-time check drops finished groups beyond it."""
+        if k < 0:
+            raise ValueError(f"need k >= 0, got {k}")
+        with self._cond:
+            self.k = k
+            self._cond.notify_all()
 
     def set_version(self, version: int) -> None:
         with self._cond:

@@ -14,8 +14,10 @@ from vcpo.metrics import read_metrics
 from vcpo.study.provenance import CELL_FILE
 
 KEPT = ("step", "eval/accuracy", "eval/accuracy_initial", "reward/mean", "ess/ratio", "grad_norm", "time/learner_s",
-        "time/step_s", "reward/zero_var_group_frac", "entropy/mean", "lr", "skipped_step")
-"""The per-step keys kept: what the report and the early-warning detectors read, plus the step's costs."""
+        "time/step_s", "reward/zero_var_group_frac", "entropy/mean", "lr", "skipped_step", "staleness/bound",
+        "staleness/mean", "staleness/max", "staleness/dropped_over_bound")
+"""The per-step keys kept: what the report and the early-warning detectors read, the step's costs, and the lag of
+the trained tokens with the bound in force (``staleness/bound``: adaptive cells only)."""
 SIGNIFICANT_DIGITS = 5
 """The report prints three decimals; five significant digits still tell two runs apart at the first step
 where any kept metric differs by more than 1e-5 relative (see `vcpo rerun`)."""

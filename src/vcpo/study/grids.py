@@ -31,6 +31,18 @@ ARMS: dict[str, tuple[str, ...]] = {
 }
 """Each arm: the dotted overrides (as `vcpo train` takes them) that turn the base config into that method."""
 
+AUTO = "async.max_staleness=auto"
+# issue 26: adaptive staleness (async.max_staleness: auto) from k_min 4, +8 per 10-step window whose mean ESS ratio
+# reaches 0.4, halved after one below it; the cell's k is the upper bound async.auto.k_max.
+AUTO_SETTINGS = (AUTO, "async.auto.k_min=4", "async.auto.ess_target=0.4", "async.auto.window=10",
+                 "async.auto.increase_step=8", "async.auto.decrease_factor=0.5")
+ARMS |= {f"{arm}_auto": (*ARMS[arm], *AUTO_SETTINGS) for arm in ("grpo", "m2po", "vcpo")}
+
+
+def is_auto(arm: str) -> bool:
+    """Whether an arm adapts k (its cells' k is then the upper bound ``async.auto.k_max``)."""
+    return AUTO in ARMS[arm]
+
 
 @dataclass(frozen=True)
 class WarmStartPin:
@@ -53,6 +65,8 @@ class Grid:
     """Used when `vcpo sweep` gets no -c; relative to the repository root."""
     warm_starts: dict[str, WarmStartPin] = field(default_factory=dict)
     """Empty: each seed warm-starts from its own SFT (sft seed = RL seed), the cache as `vcpo train` does."""
+    auto_ks: list[int] | None = None
+    """The k of the adaptive arms' cells (their upper bound ``async.auto.k_max``); None = ``ks``."""
 
 
 # study1 (issue 5, benchmarks/staleness/full/): the embedded default at lr 4e-4, chosen by the probes
@@ -70,11 +84,12 @@ QUICK = Grid(arms=["grpo", "tis_seq", "vcpo", "vcpo_ess_only", "vcpo_opob_only"]
 # 62-75 CPU-s per cell, so about 14,800 CPU-s: 2.1 hours with 2 workers on two idle cores (longer when the
 # machine is shared), resumable, in parts with --warm-starts and --seeds.
 # issue 24 adds vcpo_loo, vcpo_gonly and vcpo_gonly_proxy, run at a later commit whose `vcpo rerun` of committed
-# cells reproduced them, so that old and new arms pair in one report.
+# cells reproduced them, so that old and new arms pair in one report. Issue 26's adaptive arms (grpo_auto,
+# m2po_auto, vcpo_auto; run with --arms) have one cell per seed and warm start, k in [4, 128]: 24 cells.
 STUDY2 = Grid(
     arms=["grpo", "tis_seq", "icepop", "m2po", "vespo", "vcpo", "vcpo_ess_only", "vcpo_loo", "vcpo_gonly",
           "vcpo_gonly_proxy"], ks=[0, 16, 64, 128],
-    seeds=[0, 1, 2, 3], base_config="configs/staleness_study.yaml", overrides=[],
+    seeds=[0, 1, 2, 3], base_config="configs/staleness_study.yaml", overrides=[], auto_ks=[128],
     warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts/w0", "fa008a17bdfd45dd"),
                  "w1": WarmStartPin("benchmarks/staleness/warm_starts/w1", "7d3243aed6b861fe")},
 )

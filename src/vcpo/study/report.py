@@ -51,6 +51,7 @@ def summarize_cell(run_dir: Path) -> dict[str, Any]:
     ess = [r["ess/ratio"] for r in records if isinstance(r.get("ess/ratio"), int | float)]
     rewards = [r["reward/mean"] for r in records if isinstance(r.get("reward/mean"), int | float)]
     learner_s = [r["time/learner_s"] for r in records if isinstance(r.get("time/learner_s"), int | float)]
+    bounds = [r["staleness/bound"] for r in records if isinstance(r.get("staleness/bound"), int | float)]
     warnings = warning_steps(records)
     late = statistics.fmean(accs[-LATE_EVALS:]) if accs else None
     return {
@@ -62,7 +63,14 @@ def summarize_cell(run_dir: Path) -> dict[str, Any]:
         "mean_ess_ratio": statistics.fmean(ess) if ess else None, "wall_time_s": summary["wall_time_s"],
         "learner_step_s": statistics.median(learner_s) if learner_s else None,
         "steps": summary["steps"],
+        "mean_bound": statistics.fmean(bounds) if bounds else None,
     }
+
+
+def _cell_k(async_config: dict[str, Any]) -> int:
+    """A cell's staleness k: its fixed bound, or an adaptive cell's upper bound ``async.auto.k_max``."""
+    k = async_config["max_staleness"]
+    return int(async_config["auto"]["k_max"]) if k == "auto" else int(k)
 
 
 def load_cells(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
@@ -78,7 +86,7 @@ def load_cells(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
         config = yaml.safe_load((run_dir / "config.yaml").read_text())
         record = read_cell_record(run_dir) or {}
         ws = record.get("warm_start") or {}
-        cell = {"name": run_dir.name, "arm": match["arm"], "k": config["async"]["max_staleness"],
+        cell = {"name": run_dir.name, "arm": match["arm"], "k": _cell_k(config["async"]),
                 "seed": config["seed"], "warm_start": match["ws"] or ws.get("id"), "warm_start_hash": ws.get("hash"),
                 "git": record.get("git") or {}, "records": read_metrics(run_dir / "metrics.jsonl")}
         done.append(cell | summarize_cell(run_dir))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vcpo.metrics import read_metrics
-from vcpo.study.grids import ARMS, WarmStartPin
+from vcpo.study.grids import ARMS, WarmStartPin, is_auto
 from vcpo.study.provenance import (
     ProvenanceError,
     git_state,
@@ -43,7 +43,8 @@ class SweepError(ValueError):
 
 @dataclass(frozen=True)
 class Cell:
-    """One run of the grid: an arm at staleness k with a seed (and a pinned warm start), in its own directory."""
+    """One run of the grid: an arm at staleness k with a seed (and a pinned warm start), in its own directory. The k
+    of an adaptive arm (``async.max_staleness: auto``) is its upper bound ``async.auto.k_max``."""
 
     arm: str
     k: int
@@ -74,8 +75,9 @@ def run_subprocess(cell: Cell, argv: list[str]) -> tuple[int, str]:
 def cell_argv(base_config: Path, cell: Cell, overrides: list[str], model_path: Path | None = None) -> list[str]:
     """The `vcpo train` command of a cell: base config, sweep-wide overrides, the arm, then the cell's own keys."""
     model = [f"model.path={model_path}"] if model_path is not None else []
+    k = f"async.auto.k_max={cell.k}" if is_auto(cell.arm) else f"async.max_staleness={cell.k}"
     return [sys.executable, "-m", "vcpo.cli", "train", "-c", str(base_config), *overrides, *ARMS[cell.arm], *model,
-            "async.mode=lagged", f"async.max_staleness={cell.k}", f"seed={cell.seed}", f"run_dir={cell.run_dir}",
+            "async.mode=lagged", k, f"seed={cell.seed}", f"run_dir={cell.run_dir}",
             "logging.progress=false", "runtime.torch_threads=1"]
 
 
@@ -147,11 +149,13 @@ def run_sweep(
     command: str = "",
     warm_start: bool = True,
     warm_starts: dict[str, WarmStartPin] | None = None,
+    auto_ks: list[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every unfinished cell of the grid (at most ``workers`` at once), then collect all cells.
 
     With ``warm_starts`` every cell starts from a pinned model (``model.path``), one cell per pin x seed x arm
-    x k; without, each seed's own SFT warm start (built here unless ``warm_start`` is False, for tests).
+    x k; without, each seed's own SFT warm start (built here unless ``warm_start`` is False, for tests). An
+    adaptive arm's cells take their k (its upper bound) from ``auto_ks`` (default: ``ks``).
     Writes ``out_dir/sweep.json`` (command, date, machine, commit, grid), ``out_dir/cells/NAME/`` per cell with
     ``cell.json`` (provenance; a failed cell also gets ``error.txt`` with its stderr tail and the sweep goes
     on) and ``out_dir/results.jsonl`` (rewritten at the end, one line per cell). Returns the results lines.
@@ -160,6 +164,8 @@ def run_sweep(
     from vcpo.study.report import summarize_cell
 
     _check_grid(arms, ks, seeds)
+    auto_ks = auto_ks or ks
+    ks_of = {arm: auto_ks if is_auto(arm) else ks for arm in arms}
     if workers < 1:
         raise SweepError(f"--workers must be >= 1, got {workers}")
     base = Path(base_config_path).resolve()
@@ -168,18 +174,20 @@ def run_sweep(
     config = load_config(base, extra_overrides)
     overrides = [*(extra_overrides or []), f"sft.cache_dir={Path(config.sft.cache_dir).resolve()}"]
     for arm in arms:  # validate every arm's config now, not 40 minutes into the sweep
-        load_config(base, [*overrides, *ARMS[arm], "async.mode=lagged"])
+        for k in ks_of[arm] if is_auto(arm) else [None]:
+            bound = [f"async.auto.k_max={k}"] if k is not None else []
+            load_config(base, [*overrides, *ARMS[arm], "async.mode=lagged", *bound])
     pins = warm_starts or {}
     ws_paths = pinned_warm_starts(pins, {"name": config.task.name, "kwargs": config.task.kwargs})
     ws_hashes = {ws: pin.sha for ws, pin in pins.items()}
     cells = [Cell(a, k, s, out / "cells" / Cell(a, k, s, Path(), ws).name, ws)
-             for ws in (list(pins) or [None]) for s in seeds for a in arms for k in ks]
+             for ws in (list(pins) or [None]) for s in seeds for a in arms for k in ks_of[a]]
     git = git_state()
     out.mkdir(parents=True, exist_ok=True)
     (out / SWEEP_FILE).write_text(json.dumps({
         "command": command, "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.node(), "cpu_count": os.cpu_count(), "base_config": str(base), "git": git,
-        "grid": {"arms": arms, "ks": ks, "seeds": seeds, "overrides": overrides, "workers": workers,
+        "grid": {"arms": arms, "ks": ks, "auto_ks": auto_ks, "seeds": seeds, "overrides": overrides, "workers": workers,
                  "warm_starts": {ws: {"path": pin.path, "hash": pin.sha} for ws, pin in pins.items()}},
     }, indent=2))
     _refuse_changed_warm_starts(cells, ws_hashes)

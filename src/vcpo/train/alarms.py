@@ -33,8 +33,8 @@ RULES = ("nonfinite", "dead_policy", "reward_collapse", "ess", "accuracy_fall")
 @dataclass(frozen=True)
 class Remedy:
     """What ``trainer.on_alarm: rollback`` changes after a rule fired, on top of going back to a checkpoint: the
-    learning rate is multiplied by ``lr_factor``. (A smaller staleness bound would be a second field here, for the
-    adaptive-staleness controller to apply.)"""
+    learning rate is multiplied by ``lr_factor``. With ``async.max_staleness: auto`` the trainer also lowers the
+    checkpoint's staleness bound once (the controller's multiplicative decrease), whichever rule fired."""
 
     lr_factor: float = 0.5
 

@@ -29,6 +29,7 @@ from vcpo.metrics import METRICS_FILE, MetricsLogger, truncate_metrics
 from vcpo.models.loading import load_policy
 from vcpo.models.lora import apply_lora_config, is_lora, save_adapter_config
 from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, RolloutSource, SyncSource
+from vcpo.orchestration.adaptive_staleness import adaptive_staleness
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu, resolve_device
@@ -110,8 +111,9 @@ def make_source(config: Config, learner: Learner, tokenizer, task, model_path: P
     from vcpo.orchestration.replay import ReplayBuffer, ReplaySource
 
     buffer = ReplayBuffer(replay.capacity, replay.recent_fraction, replay.priority_inv_temp, replay.max_uses,
-                          max_age=config.async_.max_staleness, seed=config.seed)
-    return ReplaySource(source, buffer, replay.groups_per_step or config.rollout.prompts_per_step)
+                          max_age=config.async_.initial_staleness(), seed=config.seed)
+    return ReplaySource(source, buffer, replay.groups_per_step or config.rollout.prompts_per_step,
+                        inner_follows_bound=config.async_.generation_follows_bound())
 
 
 def _generating_source(config: Config, learner: Learner, tokenizer, task, model_path: Path, backend,
@@ -273,6 +275,7 @@ class _Job:
         # the dead-policy rule's streak
         self.guarded = config.trainer.on_alarm != "warn"
         self.keep = config.trainer.health.dead_steps + 2 if self.guarded else 2
+        self.bound = adaptive_staleness(config.async_, state.get("staleness"))  # None for a fixed k
         self.initial_accuracy: float | None = state.get("initial_accuracy")
         self.last_accuracy: float | None = state.get("last_accuracy", self.initial_accuracy)
         self.source: RolloutSource | None = None
@@ -359,6 +362,8 @@ class _Job:
                                   servers)
         if "source" in self.state:
             self.source.load_state(self.state["source"])
+        if self.bound is not None:
+            self.source.set_bound(self.bound.k)
 
     def launch_servers(self, model_path: Path):
         """The inference servers of ``rollout.server.launch``, started (not yet healthy), or None."""
@@ -384,6 +389,9 @@ class _Job:
             metrics = batch_metrics(trajectories, learner.version)
             batch = Batch.from_trajectories(trajectories, pad_id=self.tokenizer.pad_token_id)
             metrics |= learner.step(batch)
+            if self.bound is not None:  # the bound this batch was taken under, then the next step's from its ESS
+                metrics["staleness/bound"] = float(self.bound.k)
+                self.source.set_bound(self.bound.observe(metrics.get("ess/ratio")))
             self.source.publish(learner.model, learner.version)
             metrics |= self.source.metrics()
             self.health.record(metrics)
@@ -453,8 +461,14 @@ class _Job:
         before = self.learner.lr
         self.monitor.rolled_back(self.state.get("alarms"), factor)
         self.learner.lr = self.config.trainer.lr * self.monitor.lr_factor
+        lowered = ""
+        if self.bound is not None:  # async.max_staleness: auto: the checkpoint's bound, lowered once
+            self.bound = adaptive_staleness(self.config.async_, self.state.get("staleness"))
+            k_before = self.bound.k
+            lowered = f"; staleness bound {k_before} -> {self.bound.lower()}"
         say(f"health: rolled back to step {step} ({ckpt.name}) after the {what}; learning rate {before:g} -> "
-            f"{self.learner.lr:g} (rollback {self.monitor.rollbacks} of at most {self.config.trainer.max_rollbacks})")
+            f"{self.learner.lr:g}{lowered} (rollback {self.monitor.rollbacks} of at most "
+            f"{self.config.trainer.max_rollbacks})")
 
     def checkpoint(self) -> None:
         """Save the last finished step, unless it is saved already, comes in a run of skipped steps (weights that
@@ -467,7 +481,7 @@ class _Job:
             "step": self.learner.version, "initial_accuracy": self.initial_accuracy,
             "last_accuracy": self.last_accuracy, "source": self.source.state(), "health": self.health.state(),
             "alarms": self.monitor.state(),
-        }
+        } | ({"staleness": self.bound.state()} if self.bound is not None else {})
         try:
             save_checkpoint(self.run_dir, self.learner.version, self.learner.model, self.tokenizer,
                             self.learner.optimizer, trainer_state, keep=self.keep)
@@ -508,6 +522,8 @@ class _Job:
             "wall_time_s": time.perf_counter() - self.started, "objective": self.config.objective.name,
             "mode": self.config.async_.mode, "max_staleness": self.config.async_.max_staleness,
         } | self.health.counts(self.source.metrics() if self.source is not None else {}) | self.monitor.summary()
+        if self.bound is not None:  # async.max_staleness: auto
+            summary["staleness_bound"] = self.bound.k
         try:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         except OSError as e:

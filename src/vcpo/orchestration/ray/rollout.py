@@ -270,6 +270,10 @@ class RaySource:
         self.controller.set_version(version)
         self.stats["time/weight_publish_s"] = time.perf_counter() - t0
 
+    def set_bound(self, k: int) -> None:
+        """The bound from now on; the next ``publish`` admits what it allows (vcpo.orchestration.staleness)."""
+        self.controller.set_bound(k)
+
     def metrics(self) -> dict[str, float]:
         s = self.controller.stats
         out = {"staleness/dropped_over_bound": float(s.dropped_over_bound),
