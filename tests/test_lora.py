@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from test_e2e_cli import assert_resumed_run_matches
@@ -19,6 +20,7 @@ from vcpo.models.lora import (
     adapter_base,
     apply_lora,
     load_adapter,
+    peft_state_dict,
     save_adapter,
     sync_state_dict,
 )
@@ -106,6 +108,17 @@ def test_the_adapter_round_trips_in_peft_layout(tmp_path):
     other = apply_lora(tiny_llama(), rank=2, alpha=8.0)
     with pytest.raises(LoraError, match="does not fit"):
         load_adapter(other, tmp_path)
+    saved = load_file(tmp_path / ADAPTER_WEIGHTS)  # what vLLM is sent: the synced tensors under peft's names
+    published = peft_state_dict(sync_state_dict(model))
+    assert published.keys() == saved.keys() and all(torch.equal(published[k], saved[k]) for k in saved)
+
+
+@pytest.mark.parametrize(("kind", "rank", "culprit"), [("sglang", 4, "rollout.server.kind=sglang"),
+                                                       ("vllm", 513, "rank 512 at most")])
+def test_servers_that_cannot_serve_the_adapters_are_refused(kind, rank, culprit):
+    with pytest.raises(ValueError, match=culprit):
+        load_config("configs/quickstart.yaml", [f"model.lora.rank={rank}", "rollout.engine=server",
+                                                f"rollout.server.kind={kind}", "rollout.server.urls=[http://x:1]"])
 
 
 @pytest.mark.parametrize(("dtype", "targets", "rtol"), [

@@ -672,9 +672,12 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _lora_servers(self) -> Config:
-        if self.model.lora.rank > 0 and self.rollout.engine == "server" and self.rollout.server.kind != "vcpo":
-            raise ValueError(f"model.lora.rank>0 with rollout.server.kind={self.rollout.server.kind}: adapter sync "
-                             "reaches vcpo serve only (set rollout.server.kind=vcpo, or model.lora.rank=0)")
+        if self.model.lora.rank > 0 and self.rollout.engine == "server" and self.rollout.server.kind == "sglang":
+            raise ValueError("model.lora.rank>0 with rollout.server.kind=sglang: adapter sync reaches vcpo serve and "
+                             "vLLM only (set rollout.server.kind=vcpo or vllm, or model.lora.rank=0)")
+        if self.model.lora.rank > 512 and self.rollout.engine == "server" and self.rollout.server.kind == "vllm":
+            raise ValueError(f"model.lora.rank={self.model.lora.rank} with rollout.server.kind=vllm: vLLM serves "
+                             "adapters of rank 512 at most (--max-lora-rank)")
         return self
 
     @model_validator(mode="after")

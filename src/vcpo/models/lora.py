@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,18 @@ def sync_state_dict(model: nn.Module, keep_vars: bool = False) -> dict[str, Tens
     if not is_lora(model):
         return state
     return {key: state[key] for key in adapter_keys(model)}
+
+
+def peft_state_dict(adapters: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``sync_state_dict``'s adapter tensors under the names of peft's ``adapter_model.safetensors``
+    (``X.lora_A.default.weight`` -> ``base_model.model.X.lora_A.weight``), which other servers (vLLM) load."""
+    renamed = {}
+    for key, value in adapters.items():
+        if ".lora_A.default." not in key and ".lora_B.default." not in key:
+            raise LoraError(f"{key!r} is not a LoRA adapter tensor of the default adapter")
+        peft_key = key.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+        renamed["base_model.model." + peft_key] = value
+    return renamed
 
 
 def save_adapter(model: nn.Module, directory: str | Path) -> None:

@@ -131,7 +131,7 @@ def build_worker(spec: WorkerSpec, version_of: Callable[[], int] | None = None):
         if version_of is None:
             raise ValueError("a worker on inference servers needs version_of (the learner's published version)")
         tokenizer = load_tokenizer(spec.model_path)
-        engine = server_engine(ServerConfig(**spec.server), version_of=version_of)
+        engine = server_engine(ServerConfig(**spec.server), version_of=version_of, lora=spec.lora is not None)
     return engine, tokenizer, task, ProblemStream(task, spec.seed, spec.prompts_per_step)
 
 

@@ -25,14 +25,24 @@ STOP_GRACE_S = 15.0  # a server's own shutdown on SIGTERM, before its group is k
 LOG_TAIL_LINES = 30
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts for ``--max-lora-rank`` (an adapter of any rank up to it is served; the config
+refuses a rank above the largest)."""
+
+
 def server_command(kind: str, python: str, model_dir: str | Path, port: int, dtype: str,
-                   extra_args: list[str]) -> list[str]:
+                   extra_args: list[str], lora_rank: int = 0) -> list[str]:
     """The start command of one server of ``kind`` (docs/server.md): vLLM with the learner's dtype and processed
-    log-probs (those of the distribution sampled, after temperature and top-p), or `vcpo serve`."""
+    log-probs (those of the distribution sampled, after temperature and top-p), and for a LoRA run (``lora_rank``
+    above 0) adapters up to that rank, two at once (the current version's and the one before); or `vcpo serve`
+    (which builds the adapters from each version's ``adapter_config.json``)."""
     dtype = "float32" if dtype == "float64" else dtype  # vLLM computes in float32 at most
     if kind == "vllm":
         base = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", HOST,
                 "--port", str(port), "--dtype", dtype, "--logprobs-mode", "processed_logprobs"]
+        if lora_rank > 0:
+            max_rank = next(r for r in VLLM_LORA_RANKS if r >= lora_rank)  # config: rank 512 at most
+            base += ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "2"]
     elif kind == "vcpo":
         base = [python, "-m", "vcpo.cli", "serve", str(model_dir), "--host", HOST, "--port", str(port),
                 "--dtype", dtype]
@@ -57,8 +67,9 @@ class LaunchedServers:
     (also the context manager's exit) ends every tree. Start it from the main thread: the parent-death signal
     follows the thread that forks."""
 
-    def __init__(self, launch: LaunchConfig, kind: str, model_dir: str | Path, dtype: str, log_dir: str | Path) -> None:
-        self.launch, self.kind = launch, kind
+    def __init__(self, launch: LaunchConfig, kind: str, model_dir: str | Path, dtype: str, log_dir: str | Path,
+                 lora_rank: int = 0) -> None:
+        self.launch, self.kind, self.lora_rank = launch, kind, lora_rank
         self.model_dir, self.dtype = model_dir, dtype
         self.log_dir = Path(log_dir)
         self.urls: list[str] = []
@@ -71,10 +82,13 @@ class LaunchedServers:
         env = {**os.environ, **self.launch.env}
         if self.kind == "vllm":
             env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc (bound to 127.0.0.1 only)
+            if self.lora_rank > 0:
+                env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         python = self.launch.python or sys.executable
         for i in range(self.launch.num_servers):
             port = free_port()
-            command = server_command(self.kind, python, self.model_dir, port, self.dtype, self.launch.extra_args)
+            command = server_command(self.kind, python, self.model_dir, port, self.dtype, self.launch.extra_args,
+                                     self.lora_rank)
             log_path = self.log_dir / f"server{i}.log"
             log = open(log_path, "wb")  # a file, not a pipe: a chatty server never blocks on it
             self._files.append(log)

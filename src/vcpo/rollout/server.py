@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from vcpo.config import ServerConfig
+from vcpo.models.lora import ADAPTER_WEIGHTS, peft_state_dict
 from vcpo.rollout.engine import RolloutError, WeightPoll, _check_request
 from vcpo.rollout.server_kinds import ServerResponseError
 from vcpo.rollout.server_pool import ServerDown, ServerError, ServerPool
@@ -79,7 +80,11 @@ class ServerWeightPublisher:
         self.last_check_gap: float | None = None
 
     def publish(self, state_dict: Mapping[str, Tensor], version: int) -> None:
-        path = write_weights_dir(self.root, state_dict, version, self.keep_last, self.extra_files)
+        if self.pool.api.peft_layout:
+            path = write_weights_dir(self.root, peft_state_dict(state_dict), version, self.keep_last,
+                                     self.extra_files, ADAPTER_WEIGHTS)
+        else:
+            path = write_weights_dir(self.root, state_dict, version, self.keep_last, self.extra_files)
         self.pool.update_all(str(path.resolve()), version, abort=self.abort)
         if self.check is not None:
             self.verify(state_dict, version)
@@ -87,7 +92,7 @@ class ServerWeightPublisher:
     def verify(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Every live server scores the check's sequence within ``tol`` of ``state_dict``'s log-probs, else one
         ``ServerError`` line naming the server and the gap (servers that do not answer are down, as anywhere)."""
-        call = self.pool.api.score(self.check.token_ids)
+        call = self.pool.api.score(self.check.token_ids, version)
         if call is None:  # the kind cannot score a sequence (vcpo serve checks keys and shapes itself; SGLang)
             return
         expected = self.check.expected(state_dict)
@@ -182,7 +187,8 @@ class ServerRolloutEngine:
                 return
             (budget, group), = by_budget.items()
             version = self.version_of()
-            body = self.pool.call(url, api.generate([r.prompt + r.tokens for r in group], sampling, budget, greedy))
+            body = self.pool.call(url, api.generate([r.prompt + r.tokens for r in group], sampling, budget, greedy,
+                                                    version))
             try:
                 segments = api.parse(body, len(group))
             except ServerResponseError as exc:
@@ -206,12 +212,14 @@ def _raise_first(futures: list[Future]) -> None:
 
 def server_engine(server: ServerConfig, *, weights_dir: str | Path | None = None,
                   extra_files: Sequence[str | Path] = (), abort: bool = True,
-                  version_of: Callable[[], int] | None = None, check: WeightCheck | None = None) -> ServerRolloutEngine:
+                  version_of: Callable[[], int] | None = None, check: WeightCheck | None = None,
+                  lora: bool = False) -> ServerRolloutEngine:
     """The engine of ``rollout.server``; with ``weights_dir`` it also publishes weights (the learner's process) and
     checks each update with ``check``, without it only generates (an async rollout worker: ``version_of`` then reads
-    the published version)."""
-    pool = ServerPool(server.urls, server.kind, model=server.model, connect_timeout_s=server.connect_timeout_s,
-                      request_timeout_s=server.request_timeout_s, control_timeout_s=server.control_timeout_s,
+    the published version). ``lora``: each version is a LoRA adapter's tensors (vLLM loads it as an adapter)."""
+    pool = ServerPool(server.urls, server.kind, model=server.model, lora=lora,
+                      connect_timeout_s=server.connect_timeout_s, request_timeout_s=server.request_timeout_s,
+                      control_timeout_s=server.control_timeout_s,
                       retries=server.retries, retry_backoff_s=server.retry_backoff_s)
     publisher = None if weights_dir is None else ServerWeightPublisher(pool, weights_dir, server.keep_weights,
                                                                       extra_files, abort, check)

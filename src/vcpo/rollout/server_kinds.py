@@ -24,6 +24,10 @@ class Call:
     json: dict[str, Any] | None = None
     params: dict[str, Any] | None = None
     method: str = "POST"
+    answers_json: bool = True
+    """False: the server answers with plain text (vLLM's adapter routes); the body is then None."""
+    missing_ok: bool = False
+    """True: a 404 answer (nothing of that name to remove) counts as done."""
 
     @property
     def route(self) -> str:
@@ -68,17 +72,25 @@ class VcpoServer:
 
     kind = "vcpo"
     tags_versions = True
+    peft_layout = False
+    """True: each version is published as a peft adapter directory (``adapter_model.safetensors``, peft's names)."""
 
     def __init__(self, model: str | None = None) -> None:
         self.model = model
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_tokens: int, greedy: bool) -> Call:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_tokens: int, greedy: bool,
+                 version: int) -> Call:
+        """The call sampling ``prompts``; ``version`` is the policy version the caller expects the server to hold."""
         body: dict[str, Any] = {"prompt": prompts, "max_tokens": max_tokens,
                                 "temperature": 0.0 if greedy else sampling.temperature, "top_p": sampling.top_p,
                                 "logprobs": 0, "return_token_ids": True}
-        if self.model is not None:
-            body["model"] = self.model
+        if (model := self.model_for(version)) is not None:
+            body["model"] = model
         return Call("/v1/completions", body)
+
+    def model_for(self, version: int) -> str | None:
+        """The ``model`` field that requests at ``version`` name (None: none sent)."""
+        return self.model
 
     def parse(self, body: Any, n_prompts: int) -> list[ServerSegment]:
         choices = _field(body, "choices")
@@ -110,9 +122,9 @@ class VcpoServer:
         """The version in ``version_call``'s answer; raises ``ServerResponseError`` when it is not supported."""
         return None
 
-    def score(self, token_ids: list[int]) -> Call | None:
-        """A request for the log-prob of each of ``token_ids[1:]`` given the tokens before it, at temperature 1
-        (None: the kind cannot score a sequence, and the weight check is skipped)."""
+    def score(self, token_ids: list[int], version: int) -> Call | None:
+        """A request for the log-prob of each of ``token_ids[1:]`` given the tokens before it, at temperature 1,
+        under ``version`` (None: the kind cannot score a sequence, and the weight check is skipped)."""
         return None
 
     def parse_score(self, body: Any, token_ids: list[int]) -> list[float]:
@@ -159,11 +171,11 @@ class VLLMServer(VcpoServer):
                   file=sys.stderr)
         return str(version)
 
-    def score(self, token_ids: list[int]) -> Call | None:
+    def score(self, token_ids: list[int], version: int) -> Call | None:
         body: dict[str, Any] = {"prompt": [token_ids], "max_tokens": 1, "temperature": 1.0, "top_p": 1.0,
                                 "prompt_logprobs": 0, "return_token_ids": True}
-        if self.model is not None:
-            body["model"] = self.model
+        if (model := self.model_for(version)) is not None:
+            body["model"] = model
         return Call("/v1/completions", body)
 
     def parse_score(self, body: Any, token_ids: list[int]) -> list[float]:
@@ -177,6 +189,31 @@ class VLLMServer(VcpoServer):
         return scores
 
 
+class VLLMLoraServer(VLLMServer):
+    """vLLM serving a LoRA run's adapters (started with ``--enable-lora`` and
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): each version is a peft adapter directory loaded under its own name
+    (``/v1/load_lora_adapter``), which the requests at that version name as their ``model``; the adapter two versions
+    back is unloaded, so a request that read the version just before an update still finds its adapter. The base
+    weights never change."""
+
+    peft_layout = True
+
+    def model_for(self, version: int) -> str | None:
+        return adapter_name(version)
+
+    def update(self, path: str, version: int) -> list[Call]:
+        # load_inplace: a resumed run publishing a version again replaces that name's adapter
+        return [Call("/v1/load_lora_adapter", {"lora_name": adapter_name(version), "lora_path": path,
+                                               "load_inplace": True}, answers_json=False),
+                Call("/v1/unload_lora_adapter", {"lora_name": adapter_name(version - 2)}, answers_json=False,
+                     missing_ok=True)]
+
+
+def adapter_name(version: int) -> str:
+    """The name vLLM serves policy ``version``'s adapter under."""
+    return f"vcpo-v{version}"
+
+
 class SGLangServer(VcpoServer):
     """SGLang's native API: ``/generate`` with ``input_ids``, ``/pause_generation``, ``/continue_generation``,
     ``/update_weights_from_disk``."""
@@ -184,7 +221,8 @@ class SGLangServer(VcpoServer):
     kind = "sglang"
     tags_versions = False
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_tokens: int, greedy: bool) -> Call:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_tokens: int, greedy: bool,
+                 version: int) -> Call:
         params = {"max_new_tokens": max_tokens, "temperature": 0.0 if greedy else sampling.temperature,
                   "top_p": sampling.top_p}
         return Call("/generate", {"input_ids": prompts, "sampling_params": params, "return_logprob": True})
@@ -217,3 +255,8 @@ class SGLangServer(VcpoServer):
 
 
 KINDS = {"vcpo": VcpoServer, "vllm": VLLMServer, "sglang": SGLangServer}
+
+
+def server_api(kind: str, model: str | None = None, lora: bool = False) -> VcpoServer:
+    """How to speak to servers of ``kind``; ``lora``: the run syncs LoRA adapters (only vLLM serves them apart)."""
+    return VLLMLoraServer(model) if lora and kind == "vllm" else KINDS[kind](model)

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from vcpo.errors import RunFailed
-from vcpo.rollout.server_kinds import KINDS, Call, ServerResponseError
+from vcpo.rollout.server_kinds import Call, ServerResponseError, server_api
 
 
 class ServerError(RunFailed):
@@ -34,13 +34,13 @@ class ServerPool:
     naming the server, the route and the server's own message.
     """
 
-    def __init__(self, urls: list[str], kind: str = "vcpo", *, model: str | None = None, connect_timeout_s: float = 5.0,
-                 request_timeout_s: float = 600.0, control_timeout_s: float = 120.0, retries: int = 2,
-                 retry_backoff_s: float = 0.5, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, urls: list[str], kind: str = "vcpo", *, model: str | None = None, lora: bool = False,
+                 connect_timeout_s: float = 5.0, request_timeout_s: float = 600.0, control_timeout_s: float = 120.0,
+                 retries: int = 2, retry_backoff_s: float = 0.5, transport: httpx.BaseTransport | None = None) -> None:
         if not urls:
             raise ServerError("rollout.server.urls is empty: name at least one server")
         self.urls = [u.rstrip("/") for u in urls]
-        self.api = KINDS[kind](model)
+        self.api = server_api(kind, model, lora)
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
         self.retries = retries
@@ -79,9 +79,13 @@ class ServerPool:
             except httpx.TransportError as exc:
                 reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 continue
+            if response.status_code == 404 and call.missing_ok:
+                return None
             if response.status_code >= 400:
                 raise ServerError(f"rollout server {url} ({self.api.kind}) refused {call.route} "
                                   f"(HTTP {response.status_code}): {_message(response)}")
+            if not call.answers_json:
+                return None
             try:
                 body = response.json()
             except ValueError:

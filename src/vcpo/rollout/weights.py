@@ -45,8 +45,8 @@ def _host_copies(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def write_weights_dir(root: str | Path, state_dict: Mapping[str, Tensor], version: int, keep_last: int = 2,
-                      extra_files: Sequence[str | Path] = ()) -> Path:
-    """Write ``root/v{version:08d}/model.safetensors`` (every key of ``state_dict``, tied ones included, plus
+                      extra_files: Sequence[str | Path] = (), filename: str = "model.safetensors") -> Path:
+    """Write ``root/v{version:08d}/{filename}`` (every key of ``state_dict``, tied ones included, plus
     ``extra_files``, e.g. config.json) atomically: into a temporary directory renamed into place, so a server never
     reads a half-written version. Keeps this version and the ``keep_last - 1`` before it; removes older ones and any
     above it (left by a run resumed from an earlier checkpoint). Returns the directory."""
@@ -55,7 +55,7 @@ def write_weights_dir(root: str | Path, state_dict: Mapping[str, Tensor], versio
     final = root / f"{PREFIX}{version:08d}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}-tmp-"))
     try:
-        save_file(_host_copies(state_dict), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(_host_copies(state_dict), str(tmp / filename), metadata={"format": "pt"})
         for extra in extra_files:
             shutil.copy2(extra, tmp / Path(extra).name)
         tmp.chmod(0o755)

@@ -166,7 +166,7 @@ def _server_engine(config: Config, sc: ServerConfig, model_path: Path, model: to
     vocab = min(int(model.config.vocab_size), len(tokenizer))  # ids both the model and the server's tokenizer know
     check = None if sc.weight_check_tol is None else WeightCheck(model, WeightCheck.probe(vocab), sc.weight_check_tol)
     return server_engine(sc, weights_dir=weights_dir, extra_files=extra, abort=config.async_.inflight_updates
-                         or config.async_.mode != "async", check=check)
+                         or config.async_.mode != "async", check=check, lora=is_lora(model))
 
 
 def _progress(enabled: bool) -> Progress:
@@ -373,7 +373,7 @@ class _Job:
         from vcpo.rollout.launch import LaunchedServers
 
         return LaunchedServers(rc.server.launch, rc.server.kind, model_path, self.config.model.dtype,
-                               self.run_dir / "server_logs").start()
+                               self.run_dir / "server_logs", lora_rank=self.config.model.lora.rank).start()
 
     def loop(self, logger: MetricsLogger, bar: Progress) -> None:
         tc, learner = self.config.trainer, self.learner
