@@ -71,7 +71,12 @@ def test_every_engine_samples_from_the_current_adapter(tmp_path, tiny_overrides,
         pytest.importorskip("ray")
     if broken:
         break_delivery(monkeypatch, backend)
-    lines = lora_run(tmp_path, tiny_overrides, backend)
+    assert_adapter_fresh_or_caught(lora_run(tmp_path, tiny_overrides, backend), broken)
+
+
+def assert_adapter_fresh_or_caught(lines: list[dict], broken: bool) -> None:
+    """Three steps at k = 0: every step's tokens are fresh, so the engine/learner gap is float32 noise when the
+    adapter is delivered, and far above it from step 2 on when the engine kept the first one."""
     assert [m["step"] for m in lines] == [1, 2, 3] and all(m["staleness/max"] == 0 for m in lines)
     gaps = [m["mismatch/logprob_abs_max"] for m in lines]  # every step: all its tokens are fresh
     if broken:

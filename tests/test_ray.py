@@ -47,9 +47,8 @@ def cluster() -> str:
     assert not ray.is_initialized() and signal.getsignal(signal.SIGTERM) is before
 
 
-def test_bound_holds_across_jittery_actors_and_a_killed_actor_is_restarted(cluster, tmp_path):
-    from vcpo.orchestration.ray.rollout import RaySource
-    from vcpo.orchestration.ray.weights import WeightBoard
+def tiny_worker(tmp_path):
+    """The embedded default model (untrained) and a rollout worker's spec for it: 4 prompts x 2, 6 new tokens."""
     from vcpo.orchestration.worker import WorkerSpec
 
     task_config = TaskConfig()
@@ -58,6 +57,14 @@ def test_bound_holds_across_jittery_actors_and_a_killed_actor_is_restarted(clust
     spec = WorkerSpec(worker_id=0, model_path=str(path), dtype="float32", device="cpu", lm_head_fp32=False,
                       task_name=task_config.name, task_kwargs=task_config.kwargs, seed=0, prompts_per_step=4,
                       group_size=2, sampling=SamplingParams(max_new_tokens=6), inflight_updates=True)
+    return model, spec
+
+
+def test_bound_holds_across_jittery_actors_and_a_killed_actor_is_restarted(cluster, tmp_path):
+    from vcpo.orchestration.ray.rollout import RaySource
+    from vcpo.orchestration.ray.weights import WeightBoard
+
+    model, spec = tiny_worker(tmp_path)
     k = 1
     # Up to 20 ms before each decode step: the two actors finish out of order, mid-response weight updates happen.
     source = RaySource(model, spec, 2, k, None, 0, WeightBoard(), RayConfig(max_restarts=1, timeout_s=120),
@@ -268,14 +275,8 @@ def test_a_bound_lowered_and_raised_live_holds_for_every_batch(cluster, tmp_path
     """async.max_staleness: auto on Ray: the driver's admission bound changes between steps (set_bound)."""
     from vcpo.orchestration.ray.rollout import RaySource
     from vcpo.orchestration.ray.weights import WeightBoard
-    from vcpo.orchestration.worker import WorkerSpec
 
-    task_config = TaskConfig()
-    path = build_default_model(make_task(task_config), 0, tmp_path / "model")
-    model, _ = load_policy(path, "float32", torch.device("cpu"))
-    spec = WorkerSpec(worker_id=0, model_path=str(path), dtype="float32", device="cpu", lm_head_fp32=False,
-                      task_name=task_config.name, task_kwargs=task_config.kwargs, seed=0, prompts_per_step=4,
-                      group_size=2, sampling=SamplingParams(max_new_tokens=6), inflight_updates=True)
+    model, spec = tiny_worker(tmp_path)
     source = RaySource(model, spec, 2, 3, None, 0, WeightBoard(), RayConfig(timeout_s=120), jitter_s=0.01)
     schedule, k = {4: 0, 8: 2}, 3
     try:
