@@ -5,14 +5,15 @@ ends.
 ``with local_cluster(head={"learner": 1}) as cluster:`` starts the head node (the driver attaches to it, it cannot
 be removed); ``cluster.add({"rollout": 2})`` adds a worker node, ``cluster.remove(node)`` kills one with its actors
 (what a lost machine looks like to Ray). On the way out the driver disconnects, every node is removed, and every
-process the cluster ever started (raylets, GCS, agents, actor workers) must be gone within 30 s, else
-``TimeoutError`` names them."""
+process the cluster ever started (raylets, GCS, agents, actor workers) is gone: given 30 s to end by itself, then
+signalled (named in a ``ResourceWarning``); one that outlives SIGKILL is named in a ``TimeoutError``."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -95,15 +96,31 @@ def local_cluster(head: dict[str, float], head_cpus: int = 1, object_store_mb: i
         _reap(local.started)
 
 
-def _reap(pids: set[int]) -> None:
-    """Wait for every process the cluster started to end; SIGKILL the ones left after 30 s, then name them."""
+def _reap(pids: set[int], grace_s: float = 30.0) -> None:
+    """Wait ``grace_s`` for every process the cluster started to end by itself, then SIGTERM the ones left, then
+    SIGKILL; a process that needed a signal is named in a ``ResourceWarning`` (on a loaded machine a Ray worker can
+    take longer than the grace to notice its raylet is gone), one that outlives SIGKILL in a ``TimeoutError``."""
     try:
-        wait_gone([p for p in pids if alive(p)], timeout_s=30)
+        wait_gone([p for p in pids if alive(p)], timeout_s=grace_s)
+        return
     except TimeoutError:
-        left = [p for p in pids if alive(p)]
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        raise TimeoutError(f"Ray processes {left} outlived the cluster by 30 s (killed)") from None
+        slow = [p for p in pids if alive(p)]
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        for pid in [p for p in slow if alive(p)]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            wait_gone([p for p in slow if alive(p)], timeout_s=wait_s)
+            break
+        except TimeoutError:
+            continue
+    left = [p for p in slow if alive(p)]
+    if left:
+        raise TimeoutError(f"Ray processes {left} outlived the cluster and SIGKILL") from None
+    warnings.warn(f"Ray processes {slow} outlived the cluster by {grace_s:g} s and were signalled", ResourceWarning,
+                  stacklevel=2)
 
 
 def _forget_address(address: str | None) -> None:
