@@ -24,6 +24,7 @@ precision policy is vcpo.train.precision's.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -104,6 +105,9 @@ class Learner:
         self.version = 0
         self.skip_reason: str | None = None
         """Why the last step was skipped (e.g. "non-finite gradient"), None if it was taken."""
+        self.update_lock = threading.Lock()
+        """Held while a step changes the optimizer state and ``version`` (no collective inside): a reader holding it
+        sees a state and the version it belongs to, also while another thread's step waits on a lost peer."""
 
     @property
     def single_backward(self) -> bool:
@@ -310,14 +314,15 @@ class Learner:
         rho = metrics["ess/ratio"]
         finite = self.skip_reason is None
         scale = ess_lr_scale(rho, tc.ess_lr.reference, tc.ess_lr.rule) if tc.ess_lr.enabled and finite else 1.0
-        for group in self.optimizer.param_groups:  # set lr, step, restore (Adam would undo a grad scale)
-            group["lr"] = self.lr * scale
-        if finite:
-            self.optimizer.step()
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr
-        self.optimizer.zero_grad()
-        self.version += 1
+        with self.update_lock:
+            for group in self.optimizer.param_groups:  # set lr, step, restore (Adam would undo a grad scale)
+                group["lr"] = self.lr * scale
+            if finite:
+                self.optimizer.step()
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr
+            self.optimizer.zero_grad()
+            self.version += 1
         return metrics | {
             "grad_norm": grad_norm,
             "lr": self.lr * scale,

@@ -8,7 +8,7 @@ gradient, the same AdamW step), so any live rank can give the state a checkpoint
 
 from __future__ import annotations
 
-import threading
+import copy
 import time
 from typing import Any
 
@@ -26,10 +26,12 @@ from vcpo.types import Batch
 
 
 class LearnerActor:
-    """One rank: its own copy of the policy and optimizer. ``step`` and the control calls run in separate threads,
-    so a checkpoint can ask a rank for its optimizer state after another rank died: the state is read between
-    steps (under ``lock``), and a step whose peer died ends at once (gloo sees the closed connection; a peer that
-    hangs instead is released by the collectives' timeout, ``ray.timeout_s``)."""
+    """One rank: its own copy of the policy and optimizer. The ``step`` calls (join, load, step, weight broadcast)
+    run one at a time in one thread, the control calls in another,
+    so a checkpoint can ask a rank for its optimizer state after another rank died: the state is copied under the
+    learner's ``update_lock``, which a step holds only while it changes the state (after its collectives), so the
+    answer comes at once even while this rank's step still waits in a collective on the lost peer (until gloo sees
+    the closed connection, or the collectives' timeout, ``ray.timeout_s``)."""
 
     def __init__(self, config_tree: dict, model_path: str, rank: int, world_size: int) -> None:
         from vcpo.models.loading import load_policy
@@ -41,7 +43,6 @@ class LearnerActor:
         self.model = apply_lora_config(load_policy(model_path, self.config.model.dtype, device)[0],
                                        self.config.model.lora)
         self.rank, self.world_size = rank, world_size
-        self.lock = threading.Lock()  # a whole step (or load) against a concurrent read of the optimizer state
         self.learner = None
         self.broadcast: BroadcastMember | None = None
 
@@ -69,7 +70,7 @@ class LearnerActor:
     @ray.method(concurrency_group="step")
     def load(self, version: int, weights: list, optimizer_state: list) -> None:
         """Weights (the driver's mirror, e.g. after a resume) and optimizer state, when given, at ``version``."""
-        with self.lock, torch.no_grad():
+        with self.learner.update_lock, torch.no_grad():
             if weights[0] is not None:
                 for key, value in ray.get(weights[0]).items():
                     self.model.state_dict()[key].copy_(value)
@@ -82,9 +83,8 @@ class LearnerActor:
         """One optimizer step on the global batch at learning rate ``lr`` (before the ESS scale; skipped on every
         rank alike when a global statistic is not finite); rank 0 also returns [ref] of the new weights in the
         store."""
-        with self.lock:
-            self.learner.lr = lr
-            metrics = self.learner.step(batch)
+        self.learner.lr = lr
+        metrics = self.learner.step(batch)
         if self.rank != 0:
             return metrics, None, self.learner.skip_reason
         t0 = time.perf_counter()
@@ -106,13 +106,14 @@ class LearnerActor:
 
     @ray.method(concurrency_group="step")
     def broadcast_weights(self) -> Failed | None:
-        with self.lock:
-            return attempt(self.broadcast.send, sync_state_dict(self.model))
+        return attempt(self.broadcast.send, sync_state_dict(self.model))
 
     @ray.method(concurrency_group="control")
     def optimizer_state(self) -> tuple[int, dict[str, Any]]:
-        with self.lock:
-            return self.learner.version, self.learner.optimizer.state_dict()
+        """The version and a copy of the optimizer state at it (a copy: the reply is serialized after the lock is
+        let go, while the next step may already change the state in place)."""
+        with self.learner.update_lock:
+            return self.learner.version, copy.deepcopy(self.learner.optimizer.state_dict())
 
 
 class _OptimizerProxy:
