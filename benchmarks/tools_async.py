@@ -72,8 +72,11 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra dotted overrides for every run")
     args = parser.parse_args()
     arms = [tuple(arm.split(":")) for arm in args.arms.split(",")]
-    runs = {f"{mode}_k{k}": {seed: summarize(run(mode, k, seed, args.out, args.steps, args.overrides), args.target)
-                             for seed in args.seeds} for mode, k in arms}
+    runs: dict[str, dict[int, dict]] = {f"{mode}_k{k}": {} for mode, k in arms}
+    for seed in args.seeds:  # seed-major: a stopped benchmark has every arm on the seeds it finished
+        for mode, k in arms:
+            lines = run(mode, k, seed, args.out, args.steps, args.overrides)
+            runs[f"{mode}_k{k}"][seed] = summarize(lines, args.target)
     results = {"target": args.target, "steps": args.steps, "seeds": args.seeds,
                "arms": {name: by_arm(per_seed) for name, per_seed in runs.items()}, "runs": runs}
     print(json.dumps(results, indent=2))
