@@ -292,3 +292,33 @@ def test_a_bound_lowered_and_raised_live_holds_for_every_batch(cluster, tmp_path
         assert source.controller.k == 2
     finally:
         source.close()
+
+
+def test_a_step_a_surviving_rank_finished_is_kept_when_its_peer_died(cluster):
+    """A rank dies while its peer's all-reduce had already completed: the survivor holds the group's next weights and
+    optimizer state, so the step is kept (its answers, and weights the survivor puts in the store when rank 0 is the
+    dead one), and the checkpoint that follows finds a rank at the driver's version. A step no survivor finished is
+    not kept."""
+    from vcpo.orchestration.ray.learners import LearnerGroup
+
+    @ray.remote(max_restarts=0)
+    class Rank:
+        def __init__(self, dies: bool) -> None:
+            self.dies = dies
+
+        def step(self, batch, lr):
+            if self.dies:
+                os._exit(1)
+            return {"loss/value": 0.5}, None, None
+
+        def put_weights(self):
+            return ray.put({"w": torch.ones(2)})
+
+    group = object.__new__(LearnerGroup)
+    group.timeout_s = 60
+    group.actors = [Rank.remote(True), Rank.remote(False)]  # rank 0 dies, rank 1 finishes
+    results = group._taken_by_a_survivor([a.step.remote(None, 1e-3) for a in group.actors])
+    assert results[0] is None and results[1][0] == {"loss/value": 0.5} and results[1][2] is None
+    assert torch.equal(ray.get(results[1][1][0])["w"], torch.ones(2))
+    group.actors = [Rank.remote(True), Rank.remote(True)]
+    assert group._taken_by_a_survivor([a.step.remote(None, 1e-3) for a in group.actors]) is None

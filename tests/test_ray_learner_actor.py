@@ -9,9 +9,10 @@ import threading
 import pytest
 import torch
 
-from conftest import save_tiny_policy
 from test_micro_batches import make_batch
 from vcpo.config import load_config
+
+from conftest import save_tiny_policy
 
 pytest.importorskip("ray")
 

@@ -92,6 +92,11 @@ class LearnerActor:
         return metrics | {"time/weight_put_s": time.perf_counter() - t0}, [ref], self.learner.skip_reason
 
     @ray.method(concurrency_group="step")
+    def put_weights(self) -> Any:
+        """This rank's weights in the object store (what rank 0 returns from each step)."""
+        return ray.put(host_state_dict(self.model))
+
+    @ray.method(concurrency_group="step")
     def broadcast_plan(self) -> tuple[str, Layout]:
         """Rank 0's device type and what it broadcasts to the rollout actors (``ray.weight_sync: broadcast``)."""
         return next(self.model.parameters()).device.type, broadcast_layout(sync_state_dict(self.model))
@@ -193,9 +198,14 @@ class LearnerGroup:
         self._sync()
         t0 = time.perf_counter()
         batch_ref = ray.put(batch)  # once, whatever the number of ranks
-        results = self._call([a.step.remote(batch_ref, self.lr) for a in self.actors],
-                             f"learner step {self.version + 1}")
-        metrics, ref, self.skip_reason = results[0]
+        refs = [a.step.remote(batch_ref, self.lr) for a in self.actors]
+        try:
+            results = self._call(refs, f"learner step {self.version + 1}")
+        except BackendError:
+            results = self._taken_by_a_survivor(refs)
+            if results is None:
+                raise
+        metrics, ref, self.skip_reason = next(r for r in results if r is not None and r[1] is not None)
         t1 = time.perf_counter()
         with torch.no_grad():
             for key, value in get(ref[0], self.timeout_s, "the new weights").items():
@@ -203,8 +213,30 @@ class LearnerGroup:
         self.version += 1
         self.synced_version = self.version
         self.board.post(self.version, ref[0])
-        return metrics | {"time/learner_group_s": t1 - t0, "time/weight_sync_s": metrics["time/weight_put_s"]
+        return metrics | {"time/learner_group_s": t1 - t0, "time/weight_sync_s": metrics.get("time/weight_put_s", 0.0)
                           + time.perf_counter() - t1}
+
+    def _taken_by_a_survivor(self, refs: list) -> list | None:
+        """After a rank failed during a step: the step's answers if a surviving rank finished it (its all-reduce
+        completed before the peer died, so it holds the group's next weights and optimizer state, and the step is
+        kept: logged, posted and checkpointable); None if none did (every survivor is still at the old version). Each
+        survivor's call is waited for first (a collective with a dead peer fails at once, or at ``ray.timeout_s``),
+        so that no rank is left mid-update when the checkpoint asks for its state."""
+        ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        results: list = []
+        for ref in refs:
+            try:
+                results.append(ray.get(ref, timeout=0))
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                results.append(None)
+        survivor = next((i for i, r in enumerate(results) if r is not None), None)
+        if survivor is None:
+            return None
+        if results[0] is None:  # rank 0 posts the weights; another rank that finished puts its own (the same)
+            results[survivor] = (*results[survivor][:1], [get(self.actors[survivor].put_weights.remote(),
+                                                              self.timeout_s, f"learner rank {survivor}")],
+                                 results[survivor][2])
+        return results
 
     def nodes(self) -> list[str]:
         """The Ray node of each rank."""
