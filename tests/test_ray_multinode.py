@@ -9,7 +9,6 @@ when a test fails (``vcpo.testing.ray_cluster.local_cluster``)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -114,9 +113,6 @@ def _wait_for(run: Path, proc, log: Path, done, what: str, timeout_s: float = 24
     return lines
 
 
-@pytest.mark.skipif(os.environ.get("VCPO_RAY_NODE_LOSS") != "1",
-                    reason="by hand (VCPO_RAY_NODE_LOSS=1): on a fresh-clone CI run under load the learner node's "
-                    "removal left the surviving rank unable to hand over its optimizer state within 30 s (issue 28)")
 def test_nodes_lost_mid_run_then_a_resume_on_another_shape(nodes, tmp_path):
     """One run through the command line: 2 learner ranks in a strict_spread placement group (head and node l), 2
     rollout actors spread over nodes a and b, weights broadcast by rank 0. Node b is removed: its actor is restarted
