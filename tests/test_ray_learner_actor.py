@@ -17,8 +17,14 @@ from conftest import save_tiny_policy
 pytest.importorskip("ray")
 
 
-def test_the_optimizer_state_is_answered_while_a_step_waits_and_belongs_to_its_version(tmp_path):
+def test_the_optimizer_state_is_answered_while_a_step_waits_and_belongs_to_its_version(tmp_path, monkeypatch):
+    import ray
+
     from vcpo.orchestration.ray.learners import LearnerActor
+
+    # Rank 0 puts its new weights in the object store after each step; here there is no store (a ray.put would start
+    # a Ray instance in this process, left running for the modules after this one).
+    monkeypatch.setattr(ray, "put", lambda value: value)
 
     config = load_config(None, ["trainer.lr=1e-2", "trainer.micro_batch_tokens=4096"])
     rank = LearnerActor(config.to_dict(), str(save_tiny_policy(tmp_path / "policy")), rank=0, world_size=1)
@@ -58,3 +64,4 @@ def test_the_optimizer_state_is_answered_while_a_step_waits_and_belongs_to_its_v
     assert version == 2 and not torch.equal(after["state"][0]["exp_avg"], during["state"][0]["exp_avg"])
     # The answer is a copy: the step that followed did not change what was handed out.
     assert torch.equal(during["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
+    assert not ray.is_initialized()
