@@ -10,6 +10,7 @@ signalled (named in a ``ResourceWarning``); one that outlives SIGKILL is named i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -105,17 +106,12 @@ def _reap(pids: set[int], grace_s: float = 30.0) -> None:
         return
     except TimeoutError:
         slow = [p for p in pids if alive(p)]
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in [p for p in slow if alive(p)]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        try:
-            wait_gone([p for p in slow if alive(p)], timeout_s=wait_s)
-            break
-        except TimeoutError:
-            continue
+        with contextlib.suppress(TimeoutError):
+            wait_gone([p for p in slow if alive(p)], timeout_s=10.0)
     left = [p for p in slow if alive(p)]
     if left:
         raise TimeoutError(f"Ray processes {left} outlived the cluster and SIGKILL") from None

@@ -200,12 +200,12 @@ class LearnerGroup:
         batch_ref = ray.put(batch)  # once, whatever the number of ranks
         refs = [a.step.remote(batch_ref, self.lr) for a in self.actors]
         try:
-            results = self._call(refs, f"learner step {self.version + 1}")
+            answer = self._call(refs, f"learner step {self.version + 1}")[0]
         except BackendError:
-            results = self._taken_by_a_survivor(refs)
-            if results is None:
+            answer = self._taken_by_a_survivor(refs)
+            if answer is None:
                 raise
-        metrics, ref, self.skip_reason = next(r for r in results if r is not None and r[1] is not None)
+        metrics, ref, self.skip_reason = answer
         t1 = time.perf_counter()
         with torch.no_grad():
             for key, value in get(ref[0], self.timeout_s, "the new weights").items():
@@ -216,27 +216,23 @@ class LearnerGroup:
         return metrics | {"time/learner_group_s": t1 - t0, "time/weight_sync_s": metrics.get("time/weight_put_s", 0.0)
                           + time.perf_counter() - t1}
 
-    def _taken_by_a_survivor(self, refs: list) -> list | None:
-        """After a rank failed during a step: the step's answers if a surviving rank finished it (its all-reduce
-        completed before the peer died, so it holds the group's next weights and optimizer state, and the step is
-        kept: logged, posted and checkpointable); None if none did (every survivor is still at the old version). Each
-        survivor's call is waited for first (a collective with a dead peer fails at once, or at ``ray.timeout_s``),
-        so that no rank is left mid-update when the checkpoint asks for its state."""
+    def _taken_by_a_survivor(self, refs: list) -> tuple | None:
+        """After a rank failed during a step: the step's answer (metrics, [weights ref], skip reason) if a surviving
+        rank finished it (its all-reduce completed before the peer died, so it holds the group's next weights and
+        optimizer state, and the step is kept: logged, posted and checkpointable); None if none did (every survivor
+        is still at the old version). Each survivor's call is waited for first (a collective with a dead peer fails
+        at once, or at ``ray.timeout_s``), so that no rank is left mid-update when the checkpoint asks for its
+        state."""
         ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
-        results: list = []
-        for ref in refs:
+        for rank, ref in enumerate(refs):
             try:
-                results.append(ray.get(ref, timeout=0))
+                metrics, weights, skip_reason = ray.get(ref, timeout=0)
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-                results.append(None)
-        survivor = next((i for i, r in enumerate(results) if r is not None), None)
-        if survivor is None:
-            return None
-        if results[0] is None:  # rank 0 posts the weights; another rank that finished puts its own (the same)
-            results[survivor] = (*results[survivor][:1], [get(self.actors[survivor].put_weights.remote(),
-                                                              self.timeout_s, f"learner rank {survivor}")],
-                                 results[survivor][2])
-        return results
+                continue
+            if weights is None:  # only rank 0 puts its weights in the store with each step
+                weights = [get(self.actors[rank].put_weights.remote(), self.timeout_s, f"learner rank {rank}")]
+            return metrics, weights, skip_reason
+        return None
 
     def nodes(self) -> list[str]:
         """The Ray node of each rank."""
