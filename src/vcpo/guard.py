@@ -6,15 +6,27 @@ Why a guard: an inference server is a tree (vLLM's API server, its engine core a
 parent-death signal reaches only a direct child. The trainer starts the guard as the leader of a new session with
 ``PR_SET_PDEATHSIG = SIGTERM`` (``vcpo.runtime.set_parent_death_signal``); the guard survives that signal long
 enough to send SIGTERM to its group, wait up to GRACE_S for the server, then SIGKILL the group (itself included).
+
+The guard also removes the shared memory its tree leaves behind. vLLM's processes talk through POSIX shared memory
+(``/dev/shm/psm_*`` message queues, ``sem.mp-*`` semaphores) that a process killed before its own cleanup never
+unlinks: each one keeps up to a few hundred MB of RAM until the machine restarts. While the server runs, the guard
+notes the ``/dev/shm`` names its group maps or holds open; once the group is dead, it unlinks those that no live
+process still uses.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+SHM_DIR = "/dev/shm"
+SCAN_EVERY_S = 1.0  # how often the group's shared memory is noted while the server runs
+_SHM_PATH = re.compile(re.escape(SHM_DIR) + r"/(\S+)")
 _stop: list[int] = []
 
 
@@ -22,17 +34,82 @@ def _request_stop(signum: int, _frame: object) -> None:
     _stop.append(signum)
 
 
-def end_group(server: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM to the guard's process group (the server tree), up to ``grace_s`` for the server to exit, then
-    SIGKILL to the group, the guard included: no process of the tree outlives this call."""
+def group_members(pgid: int) -> list[int]:
+    """The live (non-zombie) processes of process group ``pgid``, the caller excluded."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                state, _ppid, group = f.read().rsplit(b")", 1)[1].split()[:3]
+        except (OSError, ValueError):  # ended meanwhile
+            continue
+        if int(group) == pgid and state != b"Z":
+            members.append(int(entry.name))
+    return members
+
+
+def shared_memory_of(pids: list[int]) -> set[str]:
+    """The ``/dev/shm`` names that ``pids`` map or hold open (a name already unlinked included: removing it again
+    is harmless)."""
+    names: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                names.update(_SHM_PATH.findall(f.read()))
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                target = os.readlink(fd.path)
+                if target.startswith(SHM_DIR + "/"):
+                    names.add(target[len(SHM_DIR) + 1 :].split(" ", 1)[0])
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+    return names
+
+
+def remove_orphaned_shared_memory(names: set[str]) -> list[str]:
+    """Unlink each of ``names`` that still exists and that no live process maps or holds open; returns those
+    removed."""
+    held = shared_memory_of([int(e.name) for e in os.scandir("/proc") if e.name.isdigit()])
+    removed = []
+    for name in sorted(names - held):
+        if "/" in name:
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:  # already gone (its owner's own cleanup), or not ours
+            continue
+        removed.append(name)
+    return removed
+
+
+def end_group(server: subprocess.Popen, grace_s: float, shared: set[str]) -> None:
+    """SIGTERM to the guard's process group (the server tree), up to ``grace_s`` for the server to exit, SIGKILL to
+    every other process of the group, the removal of the tree's orphaned shared memory (``shared``, the names it
+    was seen to use), then SIGKILL to the group, the guard included: no process of the tree outlives this call."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the server, not the guard
-    os.killpg(os.getpgrp(), signal.SIGTERM)
+    pgid = os.getpgrp()
+    shared |= shared_memory_of(group_members(pgid))
+    os.killpg(pgid, signal.SIGTERM)
     try:
         server.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
+    deadline = time.monotonic() + 5.0
+    while (members := group_members(pgid)) and time.monotonic() < deadline:
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+    server.poll()  # reap the server if it was the last one killed
+    removed = remove_orphaned_shared_memory(shared)
+    if removed:
+        print(f"vcpo.guard: removed {len(removed)} shared-memory file(s) the server left in {SHM_DIR}: "
+              f"{', '.join(removed)}", file=sys.stderr)
     sys.stderr.flush()
-    os.killpg(os.getpgrp(), signal.SIGKILL)
+    os.killpg(pgid, signal.SIGKILL)
 
 
 def main(argv: list[str]) -> int:
@@ -45,14 +122,19 @@ def main(argv: list[str]) -> int:
     if os.getppid() != parent_pid:  # the trainer died before the parent-death signal was armed
         return 1
     server = subprocess.Popen(command)  # inherits the guard's process group, stdout and stderr (the log file)
+    shared: set[str] = set()
+    next_scan = time.monotonic()
     while not _stop and os.getppid() == parent_pid:  # getppid: a watchdog where the death signal does not apply
+        if time.monotonic() >= next_scan and Path(SHM_DIR).is_dir():
+            shared |= shared_memory_of(group_members(os.getpgrp()))
+            next_scan = time.monotonic() + SCAN_EVERY_S
         try:
             code = server.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             continue
         print(f"vcpo.guard: the server exited with code {code}", file=sys.stderr)
-        end_group(server, 0.0)  # its children, if any are left
-    end_group(server, grace_s)
+        end_group(server, 0.0, shared)  # its children, if any are left
+    end_group(server, grace_s, shared)
     return 0  # not reached: the group's SIGKILL ends the guard too
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from vcpo.guard import remove_orphaned_shared_memory
+
 from conftest import ROOT, metrics, processes_with
 
 VLLM = find_spec("vllm")  # a namespace match (a directory named vllm on the path) is not vLLM
@@ -59,22 +61,6 @@ def shared_memory_names() -> set[str]:
     return {path.name for path in Path("/dev/shm").iterdir()}
 
 
-def remove_orphaned_shared_memory(before: set[str]) -> None:
-    """Delete the /dev/shm segments and semaphores that appeared since ``before`` and that no live process maps or
-    holds open: those of the processes this test killed with SIGKILL (vLLM's message queues, the trainer's
-    multiprocessing semaphores), which never got to unlink them."""
-    held: set[str] = set()
-    for proc_dir in Path("/proc").glob("[0-9]*"):
-        try:
-            held.update(re.findall(r"/dev/shm/(\S+)", (proc_dir / "maps").read_text()))
-            held.update(os.readlink(fd).rpartition("/")[2] for fd in (proc_dir / "fd").iterdir()
-                        if os.readlink(fd).startswith("/dev/shm/"))
-        except OSError:  # a process that ended meanwhile, or one not ours to read
-            continue
-    for name in shared_memory_names() - before - held:
-        Path("/dev/shm", name).unlink(missing_ok=True)
-
-
 def test_a_sync_run_of_15_steps_keeps_the_tied_model_within_1e4_of_the_learner(sft_model, tmp_path):
     log = tmp_path / "train.log"
     proc = start(train(sft_model, tmp_path / "run", 1, "async.mode=sync", "trainer.max_steps=15"), log)
@@ -110,7 +96,9 @@ def test_async_in_flight_updates_survive_a_killed_server_and_a_killed_trainer_le
         for pid in processes_with(str(sft_model)):  # only when the test failed: nothing outlives it
             os.kill(pid, signal.SIGKILL)
         wait_gone(str(sft_model))
-        remove_orphaned_shared_memory(shm_before)
+        # The SIGKILLed trainer and server tree never unlinked their /dev/shm files (vLLM's message queues, the
+        # trainer's multiprocessing semaphores); the guards that would have were killed too.
+        remove_orphaned_shared_memory(shared_memory_names() - shm_before)
     text = log.read_text()
     assert f"rollout server http://127.0.0.1:{ports[1]} is down" in text
     lines = metrics(run_dir)
