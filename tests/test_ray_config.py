@@ -3,6 +3,7 @@ and a one-line error naming the extra when it is missing."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -63,3 +64,17 @@ def test_a_local_instance_is_given_the_custom_resources_the_actors_ask_for():
                                 "rollout.prompts_per_step=4", "ray.rollout_resources={rollout: 1, fast: 0.5}",
                                 "ray.learner_resources={fast: 1}"])
     assert config.ray.demands(3, 2) == {"rollout": 3.0, "fast": 3.5}
+
+
+def test_a_null_address_starts_an_instance_of_its_own_whatever_cluster_the_environment_names():
+    """``ray.address: null`` is a local instance even where ray.init() alone would join another cluster: one named by
+    RAY_ADDRESS (here an address with nothing behind it) or by the address file of a running ``ray start``."""
+    code = ("import ray\n"
+            "from vcpo.config import load_config\n"
+            "from vcpo.orchestration.ray.session import RaySession\n"
+            "with RaySession(load_config(None, ['async.backend=ray', 'ray.num_cpus=1'])) as session:\n"
+            "    print(session.owned, ray.cluster_resources()['CPU'], ray.get(ray.remote(lambda: 7).remote()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "1.0", "7"]

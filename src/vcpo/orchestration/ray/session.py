@@ -50,7 +50,10 @@ class RaySession:
         try:
             if rc.address is None:
                 resources = rc.demands(self.config.async_.num_workers, self.config.trainer.num_learners)
-                self.ray.init(num_cpus=self.num_cpus(), resources=resources, _node_ip_address="127.0.0.1", **quiet)
+                # "local": a new instance of its own, never a cluster found through RAY_ADDRESS or the address file
+                # that `ray start` and ray.cluster_utils write, which ray.init() would otherwise join
+                self.ray.init(address="local", num_cpus=self.num_cpus(), resources=resources,
+                              _node_ip_address="127.0.0.1", **quiet)
             else:
                 self.ray.init(address=rc.address, **quiet)
         except ConnectionError as exc:
