@@ -9,6 +9,9 @@ when a test fails (``vcpo.testing.ray_cluster.local_cluster``)."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -54,10 +57,19 @@ def nodes():
     """Head (the driver's node; ``learner: 1``), ``a`` (``rollout: 4``) and ``b`` (``rollout: 2``)."""
     from vcpo.testing.ray_cluster import local_cluster
 
-    with local_cluster(head={"learner": 1}, head_cpus=2) as cluster:
-        session = Path(cluster.head.get_session_dir_path()).name
-        yield Nodes(cluster)
-    assert not processes_with(session)  # no raylet, GCS or agent of this cluster left
+    before = signal.getsignal(signal.SIGTERM)
+    # A process of the driver's own from before (as a reward pool's worker is): not the cluster's to end.
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"])
+    try:
+        with local_cluster(head={"learner": 1}, head_cpus=2) as cluster:
+            session = Path(cluster.head.get_session_dir_path()).name
+            yield Nodes(cluster)
+        assert not processes_with(session)  # no raylet, GCS or agent of this cluster left
+        assert bystander.poll() is None  # the cluster's teardown ended only the cluster's processes
+        assert signal.getsignal(signal.SIGTERM) is before  # Ray's handler gone: later tests in this process see theirs
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 def actors(cls: str, job: str | None = None) -> list[dict]:

@@ -5,8 +5,9 @@ ends.
 ``with local_cluster(head={"learner": 1}) as cluster:`` starts the head node (the driver attaches to it, it cannot
 be removed); ``cluster.add({"rollout": 2})`` adds a worker node, ``cluster.remove(node)`` kills one with its actors
 (what a lost machine looks like to Ray). On the way out the driver disconnects, every node is removed, and every
-process the cluster ever started (raylets, GCS, agents, actor workers) is gone: given 30 s to end by itself, then
-signalled (named in a ``ResourceWarning``); one that outlives SIGKILL is named in a ``TimeoutError``."""
+process the cluster ever started (raylets, GCS, agents, actor workers; not the driver's processes of before, such
+as a reward pool's workers) is gone: given 10 s to end by itself, then signalled (named in a ``ResourceWarning``);
+one that outlives SIGKILL is named in a ``TimeoutError``. The driver's signal handlers are as they were."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import signal
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from vcpo.testing.faults import alive, descendants, wait_gone
@@ -35,16 +37,19 @@ restarted within a short test."""
 class LocalCluster:
     """The running cluster: ``address`` (what ``ray.address`` joins), ``head``, ``add``, ``remove``."""
 
-    def __init__(self, cluster: Any, object_store_mb: int) -> None:
+    def __init__(self, cluster: Any, object_store_mb: int, children_before: set[int]) -> None:
         self.cluster, self.object_store_mb = cluster, object_store_mb
         self.head = cluster.head_node
         self.address: str = cluster.address
-        self.started: set[int] = set()  # every process seen under this process since the cluster started
+        self.children_before = children_before  # the driver's own processes (a reward pool, a server)
+        self.started: set[int] = set()  # every process seen under the cluster's processes since it started
         self.watch()
 
     def watch(self) -> None:
-        """Record the processes now below this one (a node's actor workers are not, once their raylet is gone)."""
-        self.started |= set(descendants(os.getpid()))
+        """Record the processes now below the driver's children that the cluster started (a node's actor workers are
+        not below them once their raylet is gone)."""
+        for child in children(os.getpid()) - self.children_before:
+            self.started |= {child, *descendants(child)}
 
     def add(self, resources: dict[str, float], num_cpus: int = 1) -> Any:
         node = self.cluster.add_node(num_cpus=num_cpus, resources=resources, **_node_args(self.object_store_mb))
@@ -69,14 +74,17 @@ def local_cluster(head: dict[str, float], head_cpus: int = 1, object_store_mb: i
     from ray.cluster_utils import Cluster
 
     before, constant = os.environ.get(LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    # The in-process head node and ray.init install SIGTERM handlers of their own, which outlive the shutdown.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     os.environ[LOOPBACK_ENV] = "0"  # inherited by the nodes and by every `vcpo` a test starts
     ray_constants.ENABLE_RAY_CLUSTER = False  # what the variable sets, in this process where Ray is imported already
     cluster = local = None
+    children_before = children(os.getpid())
     try:
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": head_cpus, "resources": head, "include_dashboard": False, "_system_config": FAST_HEALTH,
             **_node_args(object_store_mb)})
-        local = LocalCluster(cluster, object_store_mb)
+        local = LocalCluster(cluster, object_store_mb, children_before)
         ray.init(address=cluster.address, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
         local.watch()
         yield local
@@ -89,6 +97,8 @@ def local_cluster(head: dict[str, float], head_cpus: int = 1, object_store_mb: i
             cluster.shutdown()  # graceful: a raylet stopped so takes its agents with it
             _forget_address(address)
         ray_constants.ENABLE_RAY_CLUSTER = constant
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         if before is None:
             os.environ.pop(LOOPBACK_ENV, None)
         else:
@@ -97,7 +107,16 @@ def local_cluster(head: dict[str, float], head_cpus: int = 1, object_store_mb: i
         _reap(local.started)
 
 
-def _reap(pids: set[int], grace_s: float = 30.0) -> None:
+def children(pid: int) -> set[int]:
+    """The live direct children of ``pid`` (whichever of its threads started them)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found.update(int(c) for c in (task / "children").read_text().split())
+    return {c for c in found if alive(c)}
+
+
+def _reap(pids: set[int], grace_s: float = 10.0) -> None:
     """Wait ``grace_s`` for every process the cluster started to end by itself, then SIGTERM the ones left, then
     SIGKILL; a process that needed a signal is named in a ``ResourceWarning`` (on a loaded machine a Ray worker can
     take longer than the grace to notice its raylet is gone), one that outlives SIGKILL in a ``TimeoutError``."""
