@@ -20,7 +20,7 @@ app = typer.Typer(
     help="vcpo: stable asynchronous RL for LLMs (off-policy objectives, ESS-scaled LR, OPOB).",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
 )
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # a path in a message stays on one line, whatever the width
 
 if TYPE_CHECKING:
     from vcpo.train.signals import StopSignals
@@ -128,7 +128,7 @@ def _train(config: Path | None, overrides: list[str] | None, resume: Path | None
             from vcpo.train.health import describe
             from vcpo.train.trainer import train as run_training
         summary = run_training(cfg, resume=resume is not None, signals=signals)
-        console.print(describe(summary), markup=False, highlight=False, soft_wrap=True)
+        console.print(describe(summary), markup=False, highlight=False)
     except UserError as exc:
         _fail(exc)
     except HealthAlarm as exc:
