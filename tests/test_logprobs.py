@@ -123,8 +123,10 @@ def test_engine_and_learner_agree_with_a_float32_head():
     assert engine_learner_gap(tiny(), fp32=True) < 1e-5  # float32 weights: the option changes nothing
     # A bfloat16 body rounds differently in the cached decode and the full forward on some CPUs and not on others
     # (measured: gap 0 with the bfloat16 head and 4.8e-7 with the float32 one on one VM; 9.6e-4 and 3.5e-4 on an AMD
-    # EPYC VM), as on GPUs (tests/gpu). What holds everywhere: the float32 head removes the head's own rounding, so it
-    # never widens the gap, and both stay far below a sampling-relevant size.
+    # EPYC VM; 0 and 4.8e-7 again on another EPYC VM on 2026-11-27), as on GPUs (tests/gpu). What holds everywhere:
+    # the float32 head removes the head's own rounding, so it never widens the gap by more than float32 rounding
+    # (the 4.8e-7 above, where the bfloat16 paths happen to agree exactly), and both stay far below a
+    # sampling-relevant size.
     bf16_head = engine_learner_gap(tiny(torch.bfloat16), False)
     fp32_head = engine_learner_gap(tiny(torch.bfloat16), True)
-    assert bf16_head < 1e-2 and fp32_head < 1e-2 and fp32_head <= bf16_head
+    assert bf16_head < 1e-2 and fp32_head < 1e-2 and fp32_head <= bf16_head + 1e-5
