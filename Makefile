@@ -30,8 +30,12 @@ $(VENV)/.demo: pyproject.toml $(LOCK)
 lint: $(VENV)/.test
 	$(BIN)/ruff check .
 
+# Two pytest-xdist workers: most tests wait on one single-threaded process at a time, so two share the 2-core CI
+# machine. Each module stays on one worker, the Ray modules all on one (tests/conftest.py). TEST_WORKERS=0 runs the
+# suite in this process alone.
+TEST_WORKERS ?= 2
 unit: $(VENV)/.test
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS)
 
 test: lint unit
 

@@ -78,6 +78,33 @@ def lagged_full(tmp_path_factory, tiny) -> Path:
 torch.set_num_threads(1)
 
 
+RAY_MODULES = {"test_ray", "test_ray_broadcast", "test_ray_config", "test_ray_learner_actor", "test_ray_multinode",
+               "test_lora_sync"}
+"""The modules that start Ray instances: under pytest-xdist one worker runs them one after another (two local Ray
+instances at once would share this machine's ports and its address file), first, since together they are the
+suite's longest unit."""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The Ray modules first (stable otherwise): the longest unit of work starts at once."""
+    items.sort(key=lambda item: item.path.stem not in RAY_MODULES)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: `make test` runs `pytest -n 2`
+def pytest_xdist_make_scheduler(config, log):
+    """Each module is one unit of work on one worker, so that its module-scoped servers, clusters and runs are built
+    once; the Ray modules are one unit together. (xdist's ``--dist loadgroup`` would say this with marks, but it
+    renames node ids in a way pytest 9.2 ignores.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "ray" if Path(module).stem in RAY_MODULES else module
+
+    return ModuleScheduling(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _default_denormals():
     """A test that runs the trainer in-process gets its flush-denormal setting (vcpo.runtime.configure_cpu);
