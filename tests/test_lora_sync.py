@@ -76,10 +76,15 @@ def test_every_engine_samples_from_the_current_adapter(tmp_path, tiny_overrides,
 
 def assert_adapter_fresh_or_caught(lines: list[dict], broken: bool) -> None:
     """Three steps at k = 0: every step's tokens are fresh, so the engine/learner gap is float32 noise when the
-    adapter is delivered, and far above it from step 2 on when the engine kept the first one."""
+    adapter is delivered. When the engine kept the first one, the gap is far above noise at every step after the
+    learner's adapter first moved, and noise before: a step whose groups each got one reward throughout has zero
+    advantages and moves nothing (with vLLM's own sampling, step 1 sometimes had no learning signal)."""
     assert [m["step"] for m in lines] == [1, 2, 3] and all(m["staleness/max"] == 0 for m in lines)
     gaps = [m["mismatch/logprob_abs_max"] for m in lines]  # every step: all its tokens are fresh
     if broken:
-        assert gaps[0] < FRESH_TOL and min(gaps[1:]) > STALE_MIN, gaps
+        moved = [any(m["reward/zero_var_group_frac"] < 1 for m in lines[:i]) for i in range(len(lines))]
+        assert any(moved), f"no step before the last had a learning signal: nothing to catch ({lines})"
+        for gap, adapter_moved in zip(gaps, moved, strict=True):
+            assert gap > STALE_MIN if adapter_moved else gap < FRESH_TOL, (gaps, moved)
     else:
         assert max(gaps) < FRESH_TOL, gaps

@@ -110,8 +110,9 @@ def test_bound_holds_across_jittery_actors_and_a_killed_actor_is_restarted(clust
 
 def _run_in_background(args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "vcpo.cli", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=log.open("w"))
+    with log.open("w") as stderr:  # the child has its own copy of the descriptor: this one closes at once
+        return subprocess.Popen([sys.executable, "-m", "vcpo.cli", *args], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
 
 
 def test_two_actors_two_learners_through_the_cli_a_learner_killed_and_resumes(cluster, tmp_path):

@@ -50,7 +50,9 @@ def lora_run(sft_model, tmp_path, tiny_overrides, *extra: str) -> list[dict]:
 
     run_dir = tmp_path / "run"
     config = load_config(ROOT / "configs" / "quickstart.yaml", [
-        *tiny_overrides, f"model.path={sft_model}", "model.lora.rank=4", "trainer.lr=1e-2", "async.mode=async",
+        # 16 prompts a step: a step with no learning signal at all (every group one reward) is then rare
+        *tiny_overrides, "rollout.prompts_per_step=16", f"model.path={sft_model}", "model.lora.rank=4",
+        "trainer.lr=1e-2", "async.mode=async",
         "async.max_staleness=0", "trainer.max_steps=3", "trainer.eval_every=0", "trainer.checkpoint_every=0",
         f"run_dir={run_dir}", "rollout.engine=server", "rollout.server.kind=vllm", f"rollout.server.launch={LAUNCH}",
         *extra])
