@@ -10,14 +10,13 @@ enough to send SIGTERM to its group, wait up to GRACE_S for the server, then SIG
 The guard also removes the shared memory its tree leaves behind. vLLM's processes talk through POSIX shared memory
 (``/dev/shm/psm_*`` message queues, ``sem.mp-*`` semaphores) that a process killed before its own cleanup never
 unlinks: each one keeps up to a few hundred MB of RAM until the machine restarts. While the server runs, the guard
-notes the ``/dev/shm`` names its group maps or holds open; once the group is dead, it unlinks those that no live
-process still uses.
+notes the ``/dev/shm`` names its group maps or holds open (by inode: a semaphore's mapping shows another path);
+once the group is dead, it unlinks those that no live process still uses.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -26,7 +25,6 @@ from pathlib import Path
 
 SHM_DIR = "/dev/shm"
 SCAN_EVERY_S = 1.0  # how often the group's shared memory is noted while the server runs
-_SHM_PATH = re.compile(re.escape(SHM_DIR) + r"/(\S+)")
 _stop: list[int] = []
 
 
@@ -50,21 +48,35 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def shared_memory_of(pids: list[int]) -> set[str]:
-    """The ``/dev/shm`` names that ``pids`` map or hold open (a name already unlinked included: removing it again
-    is harmless)."""
-    names: set[str] = set()
+def _inodes_of(pids: list[int]) -> set[int]:
+    """The inodes of the ``/dev/shm`` files that ``pids`` map or hold open."""
+    inodes: set[int] = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
-                names.update(_SHM_PATH.findall(f.read()))
+                for line in f:  # address perms offset device inode path
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith(SHM_DIR + "/"):
+                        inodes.add(int(fields[4]))
             for fd in os.scandir(f"/proc/{pid}/fd"):
-                target = os.readlink(fd.path)
-                if target.startswith(SHM_DIR + "/"):
-                    names.add(target[len(SHM_DIR) + 1 :].split(" ", 1)[0])
+                if os.readlink(fd.path).startswith(SHM_DIR + "/"):
+                    inodes.add(os.stat(fd.path).st_ino)
         except OSError:  # ended meanwhile, or not ours to read
             continue
-    return names
+    return inodes
+
+
+def shared_memory_of(pids: list[int]) -> set[str]:
+    """The ``/dev/shm`` names whose files ``pids`` map or hold open. Matched by inode, not by the path a mapping
+    shows: glibc's ``sem_open`` creates and maps a temporary ``sem.XXXXXX``, links it to the semaphore's name and
+    unlinks the temporary, so the mapping of ``sem.mp-*`` names a file that no longer exists."""
+    inodes = _inodes_of(pids)
+    if not inodes:
+        return set()
+    try:
+        return {entry.name for entry in os.scandir(SHM_DIR) if entry.inode() in inodes}
+    except OSError:
+        return set()
 
 
 def remove_orphaned_shared_memory(names: set[str]) -> list[str]:
