@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 SHM_DIR = "/dev/shm"
 SCAN_EVERY_S = 1.0  # how often the group's shared memory is noted while the server runs
@@ -79,12 +78,16 @@ def shared_memory_of(pids: list[int]) -> set[str]:
         return set()
 
 
+def held_shared_memory() -> set[str]:
+    """The ``/dev/shm`` names that some live process maps or holds open."""
+    return shared_memory_of([int(e.name) for e in os.scandir("/proc") if e.name.isdigit()])
+
+
 def remove_orphaned_shared_memory(names: set[str]) -> list[str]:
     """Unlink each of ``names`` that still exists and that no live process maps or holds open; returns those
     removed."""
-    held = shared_memory_of([int(e.name) for e in os.scandir("/proc") if e.name.isdigit()])
     removed = []
-    for name in sorted(names - held):
+    for name in sorted(names - held_shared_memory()):
         if "/" in name:
             continue
         try:
@@ -137,7 +140,7 @@ def main(argv: list[str]) -> int:
     shared: set[str] = set()
     next_scan = time.monotonic()
     while not _stop and os.getppid() == parent_pid:  # getppid: a watchdog where the death signal does not apply
-        if time.monotonic() >= next_scan and Path(SHM_DIR).is_dir():
+        if time.monotonic() >= next_scan:
             shared |= shared_memory_of(group_members(os.getpgrp()))
             next_scan = time.monotonic() + SCAN_EVERY_S
         try:

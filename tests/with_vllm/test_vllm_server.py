@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vcpo.config import LaunchConfig
-from vcpo.guard import shared_memory_of
+from vcpo.guard import held_shared_memory
 from vcpo.models.loading import load_policy
 from vcpo.rollout import weights
 from vcpo.rollout.launch import LaunchedServers
@@ -43,8 +43,7 @@ def server(sft_model, tmp_path_factory):
         yield launched.wait_healthy()[0]
     # vLLM's engine core, stopped by the launcher, left /dev/shm segments of 160-250 MB that no process held (issue
     # 25): its guard now removes them. Those still held belong to other live processes (another run's server).
-    left = set(os.listdir("/dev/shm")) - shm_before - shared_memory_of(
-        [int(pid) for pid in os.listdir("/proc") if pid.isdigit()])
+    left = set(os.listdir("/dev/shm")) - shm_before - held_shared_memory()
     assert not left, f"the stopped server left {sorted(left)} in /dev/shm"
 
 
