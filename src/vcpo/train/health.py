@@ -68,7 +68,20 @@ def describe(summary: dict[str, Any]) -> str:
         alarms += f", rollbacks {s['rollbacks']} (learning rate x{s['lr_factor']:g})"
     return (
         f"held-out accuracy: {s['initial_accuracy']:.3f} before RL -> {after} after {s['steps']} steps "
-        f"({s['wall_time_s']:.0f} s); skipped steps {s['skipped_steps']}, dropped groups {s['dropped_groups']}, "
-        f"reward errors {s['reward_errors']} (timeouts {s['reward_timeouts']}), worker restarts "
+        f"({s['wall_time_s']:.0f} s){_verdict(s)}; skipped steps {s['skipped_steps']}, dropped groups "
+        f"{s['dropped_groups']}, reward errors {s['reward_errors']} (timeouts {s['reward_timeouts']}), worker restarts "
         f"{s['worker_restarts']}, {alarms}; run: {s['run_dir']}"
     )
+
+
+def _verdict(summary: dict[str, Any]) -> str:
+    """How the final accuracy compares with the one before RL, beyond noise or not (``accuracy_verdict``)."""
+    verdict = summary.get("verdict")
+    if verdict not in ("worse", "better", "unchanged"):
+        return ""
+    change, noise = summary["accuracy_change"], summary["accuracy_noise"]
+    if verdict == "worse":
+        return f", WORSE than before RL beyond noise ({change:+.3f}, noise {noise:.3f})"
+    if verdict == "better":
+        return f", better than before RL beyond noise ({change:+.3f}, noise {noise:.3f})"
+    return f", within noise of it ({change:+.3f}, noise {noise:.3f})"

@@ -35,7 +35,7 @@ from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu, resolve_device
 from vcpo.tasks import make_task, prepare_scoring
 from vcpo.tasks.prompts import check_prompt_format
-from vcpo.train.alarms import REMEDIES, Alarm, HealthMonitor
+from vcpo.train.alarms import REMEDIES, Alarm, HealthMonitor, accuracy_verdict
 from vcpo.train.checkpoint import CheckpointError, discard_after, load_checkpoint, save_checkpoint, set_aside
 from vcpo.train.evaluate import EvalSettings
 from vcpo.train.evaluate import evaluate as evaluate_policy
@@ -80,6 +80,7 @@ def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[
         "response/truncated_frac": float(sum(not t.finished for t in trajectories) / len(trajectories)),
         "response/logprob_mean": sum(logprobs) / len(logprobs) if logprobs else math.nan,
         "batch/size": float(len(trajectories)),
+        "batch/groups": float(len(by_group)),
     } | staleness_metrics(trajectories, learner_version) | tool_metrics(trajectories)
 
 
@@ -269,7 +270,8 @@ class _Job:
         self.eval_problems, self.state, self.signals, self.backend = eval_problems, state, signals, backend
         self.start_step = self.saved_step = self.logged_step = learner.version
         self.health = RunHealth.from_state(state.get("health"))
-        self.monitor = HealthMonitor(config.trainer.health, state.get("alarms"))
+        self.monitor = HealthMonitor(config.trainer.health, state.get("alarms"),
+                                     vocab_size=int(learner.model.config.vocab_size))
         learner.lr = config.trainer.lr * self.monitor.lr_factor  # a rollback's lower rate survives a resume
         # stop and rollback checkpoint every step that raised no alarm, and keep enough of them to go back before
         # the dead-policy rule's streak
@@ -406,7 +408,7 @@ class _Job:
             if step == 1:
                 metrics["eval/accuracy_initial"] = self.initial_accuracy
             metrics |= {"step": step, "time/rollout_wait_s": t_rollout, "time/step_s": time.perf_counter() - t0}
-            alarms = self.monitor.observe(metrics, learner.skip_reason)
+            alarms = self.monitor.observe(metrics, learner.skip_reason, final=last)
             metrics |= self.monitor.metrics
             logger.log(metrics)
             self.logged_step = step
@@ -432,6 +434,7 @@ class _Job:
         tc = self.config.trainer
         what = f"health alarm ({', '.join(a.rule for a in alarms)}) at step {alarms[0].step}"
         if tc.on_alarm == "stop":
+            self.set_aside_after(min(a.last_good for a in alarms))
             raise HealthAlarm(f"{what} (trainer.on_alarm=stop)")
         if self.monitor.rollbacks >= tc.max_rollbacks:
             raise HealthAlarm(f"{what} after {self.monitor.rollbacks} rollbacks (trainer.max_rollbacks="
@@ -498,6 +501,17 @@ class _Job:
             self.saved_step = int(kept.name.split("_")[1]) if kept is not None else 0
             say(f"warning: set aside the checkpoint of step {suspect}, written just before the skipped steps")
 
+    def set_aside_after(self, last_good: int) -> None:
+        """A run an alarm stops keeps only checkpoints no alarm suspects (step <= ``last_good``): the later ones are
+        set aside (``step_N.suspect``, never resumed from), so that ``latest`` names the last healthy one."""
+        suspects = [step for step, _ in complete_checkpoints(self.run_dir) if step > last_good]
+        for step in reversed(suspects):
+            kept = set_aside(self.run_dir, step)
+            self.saved_step = int(kept.name.split("_")[1]) if kept is not None else 0
+        if suspects:
+            say(f"health: set aside the checkpoints of step{'s' if len(suspects) > 1 else ''} "
+                f"{', '.join(map(str, suspects))}: the alarm suspects their weights")
+
     def checkpoint_after_crash(self) -> None:
         """On an unexpected error, keep every finished step if possible, without hiding the error itself."""
         if self.source is None or self.learner.version == self.saved_step:
@@ -521,7 +535,8 @@ class _Job:
             "initial_accuracy": self.initial_accuracy, "final_accuracy": self.last_accuracy,
             "wall_time_s": time.perf_counter() - self.started, "objective": self.config.objective.name,
             "mode": self.config.async_.mode, "max_staleness": self.config.async_.max_staleness,
-        } | self.health.counts(self.source.metrics() if self.source is not None else {}) | self.monitor.summary()
+        } | accuracy_verdict(self.initial_accuracy, self.last_accuracy, len(self.eval_problems))
+        summary |= self.health.counts(self.source.metrics() if self.source is not None else {}) | self.monitor.summary()
         if self.bound is not None:  # async.max_staleness: auto
             summary["staleness_bound"] = self.bound.k
         try:
