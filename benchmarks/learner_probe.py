@@ -1,6 +1,7 @@
 """What one learner step costs in the units a GPU is judged by, counted on the CPU: matrix-product FLOPs by operand
-dtype, every tensor of 200 MB or more that the step creates (op, shape, dtype; flagged when a dimension is the
-vocabulary and it holds more than one chunk of logits), and the resident-set rise. Side by side for GRPO, VCPO with
+dtype, every tensor of 200 MB or more that the step creates (op, shape, dtype), apart the parameter-shaped ones
+(gradients, optimizer state and updates, which GRPO has as well) from the activations (flagged when a dimension is
+the vocabulary and it holds more than one chunk of logits), and the resident-set rise. Side by side for GRPO, VCPO with
 fast norms (each OPOB variant) and VCPO with the logit proxy, on one batch, so that a developer without a GPU can see
 (and move) the float32 products and the vocabulary-sized tensors that make a GPU step slow.
 
@@ -36,18 +37,19 @@ BIG_BYTES = 200 * 2**20
 
 @dataclass
 class StepCount:
-    """What the dispatch mode saw during one step."""
+    """What the dispatch mode saw during one step; ``big`` the large tensors that are not parameter-shaped."""
 
     flops: Counter = field(default_factory=Counter)
     big: list[tuple[str, tuple[int, ...], str, int]] = field(default_factory=list)
+    parameter_shaped: int = 0
 
 
 class CountingMode(TorchDispatchMode):
     """Counts matrix-product FLOPs by the dtype of their first operand and records every large output."""
 
-    def __init__(self, count: StepCount) -> None:
+    def __init__(self, count: StepCount, parameter_shapes: set[tuple[int, ...]]) -> None:
         super().__init__()
-        self.count = count
+        self.count, self.parameter_shapes = count, parameter_shapes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -58,6 +60,9 @@ class CountingMode(TorchDispatchMode):
             self.count.flops[str(dtype).removeprefix("torch.")] += flop_registry[packet](*args, **kwargs, out_val=out)
         for t in out if isinstance(out, tuple | list) else (out,):
             if isinstance(t, torch.Tensor) and t.numel() * t.element_size() >= BIG_BYTES:
+                if tuple(t.shape) in self.parameter_shapes:
+                    self.count.parameter_shaped += 1
+                    continue
                 self.count.big.append((str(packet), tuple(t.shape), str(t.dtype).removeprefix("torch."),
                                        t.numel() * t.element_size()))
         return out
@@ -92,7 +97,7 @@ def probe(s: Setup, arm: str, dtype: torch.dtype) -> tuple[StepCount, float]:
     with PeakMemory("cpu") as mem:
         learner.step(batch)
     count = StepCount()
-    with CountingMode(count):
+    with CountingMode(count, {tuple(p.shape) for p in model.parameters()}):
         learner.step(batch)
     return count, mem.mib
 
@@ -128,9 +133,11 @@ def main() -> None:
         with ctx.Pool(1) as pool:
             results[arm] = pool.apply(_probe_in_child, (s, arm, dtype, args.threads))
     base = sum(results[arms[0]][0].flops.values())
-    print(f"\n| arm | matmul GFLOP | of which float32 | x {arms[0]} | tensors >= 200 MB | largest | "
-          f"vocabulary-sized beyond a chunk | RSS rise (MiB) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\n| arm | matmul GFLOP | of which float32 | x {arms[0]} | parameter-shaped tensors >= 200 MB | "
+          f"other tensors >= 200 MB | largest other | vocabulary-sized beyond a chunk | RSS rise (MiB) | "
+          f"x {arms[0]} |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    base_rise = results[arms[0]][1]
     for arm, (count, rise) in results.items():
         total = sum(count.flops.values())
         fp32 = count.flops.get("float32", 0)
@@ -138,8 +145,8 @@ def main() -> None:
         vocab_big = [b for b in count.big if s.vocab in b[1] and b[3] > chunk_bytes]
         big = (f"{largest[0]} {list(largest[1])} {largest[2]} ({largest[3] / 2**20:.0f} MiB)"
                if largest else "-")
-        print(f"| {arm} | {total / 1e9:.1f} | {fp32 / 1e9:.1f} | {total / base:.2f} | {len(count.big)} | {big} | "
-              f"{len(vocab_big)} | {rise:.0f} |")
+        print(f"| {arm} | {total / 1e9:.1f} | {fp32 / 1e9:.1f} | {total / base:.2f} | {count.parameter_shaped} | "
+              f"{len(count.big)} | {big} | {len(vocab_big)} | {rise:.0f} | {rise / base_rise:.2f} |")
     for arm, (count, _) in results.items():
         for op, shape, dt, nbytes in sorted(count.big, key=lambda b: -b[3])[:6]:
             print(f"  {arm}: {op} {list(shape)} {dt} {nbytes / 2**20:.0f} MiB")
