@@ -59,7 +59,8 @@ class CountingMode(TorchDispatchMode):
             dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
             self.count.flops[str(dtype).removeprefix("torch.")] += flop_registry[packet](*args, **kwargs, out_val=out)
         for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() * t.element_size() >= BIG_BYTES:
+            # a view (a transposed weight, say) holds no memory of its own
+            if isinstance(t, torch.Tensor) and not t._is_view() and t.numel() * t.element_size() >= BIG_BYTES:
                 if tuple(t.shape) in self.parameter_shapes:
                     self.count.parameter_shaped += 1
                     continue

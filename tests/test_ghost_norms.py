@@ -395,8 +395,10 @@ def test_norms_trim_each_row_to_its_gradient_carrying_tokens(monkeypatch, chunke
     from vcpo.variance.ghost_norms import gradient_lengths
 
     assert gradient_lengths(RESPONSE).tolist() == [5, 3, 5]
-    # 8 is within 1.25 x of 9; 4 is not (a new chunk), 3 is not within 1.25 x of 4 either
+    # 8 is within 2 x of 9; 4 is not (a new chunk); 3 is within 2 x of 4
     assert [(c.rows, c.n) for c in ghost_layers.row_chunks([9, 8, 4, 4, 3], None)] == [
+        (slice(0, 2), 9), (slice(2, 5), 4)]
+    assert [(c.rows, c.n) for c in ghost_layers.row_chunks([9, 8, 4, 4, 3], None, max_ratio=1.25)] == [
         (slice(0, 2), 9), (slice(2, 4), 4), (slice(4, 5), 3)]
     assert [c.n for c in ghost_layers.row_chunks([9, 8, 7], 1 << 24)] == [9, 8, 7]  # one row fills the budget
     model = tiny("llama", F64, tie_word_embeddings=True)

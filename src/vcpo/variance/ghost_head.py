@@ -37,9 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-CHUNK_LOGITS = 1 << 25
-"""Logits per chunk (128 MiB in float32): a block of tokens times a slice of the vocabulary."""
-VOCAB_CHUNK = 8192
+CHUNK_LOGITS = 1 << 26
+"""Logits per chunk (256 MiB in float32; a pass holds about three such tensors): a block of tokens times a slice of
+the vocabulary. Large, so that a batch takes few chunks: each is some thirty kernel launches on a GPU."""
+VOCAB_CHUNK = 16384
 """Vocabulary slice of a chunk; the block of tokens fills the rest of ``CHUNK_LOGITS``."""
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -100,7 +101,8 @@ def _head_pass(
     compute: torch.dtype, want_grad_h: bool, want_gram: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor]:
     """One online pass over the vocabulary for a block of rows: ``(lse, z[target], W^T q (x l), q . q Gram (x l l),
-    l)`` with ``l = sum_v exp(z_v - m)`` at the final running max m, so that ``p_v = exp(z_v - m) / l``."""
+    l)`` with ``l = sum_v exp(z_v - m)`` at the final running max m, so that ``p_v = exp(z_v - m) / l``. Padded
+    slots get values too (from zero hidden states): their rows of the last two are not zeroed here."""
     b, n, _ = hidden_bnD.shape
     vocab = head.out_features
     dev, acc = hidden_bnD.device, _acc_dtype(head)
@@ -109,7 +111,6 @@ def _head_pass(
     z_target = torch.zeros(b, n, dtype=acc, device=dev)
     o_bnD = torch.zeros(b, n, head.in_features, dtype=acc, device=dev) if want_grad_h else None
     gram_bnn = torch.zeros(b, n, n, dtype=acc, device=dev) if want_gram else None
-    valid = valid_bn.to(acc)
     _, v_chunk = _token_blocks(b, n, vocab)
     for v0 in range(0, vocab, v_chunk):
         v1 = min(vocab, v0 + v_chunk)
@@ -124,9 +125,8 @@ def _head_pass(
         m = m_new
         if o_bnD is None and gram_bnn is None:
             continue
-        # q: the target's entry zeroed, padded slots zeroed (they contribute nothing)
+        # q: the target's entry zeroed (padded slots are zeroed once, after the pass, by whoever reads them)
         e.scatter_(-1, idx, e.gather(-1, idx) * (~in_chunk)[..., None])
-        e.mul_(valid[..., None])
         e_c = e.to(compute)
         if o_bnD is not None:
             o_bnD.mul_(alpha[..., None]).add_(torch.matmul(e_c, head.weight[v0:v1].detach().to(compute)).to(acc))
@@ -221,10 +221,10 @@ def head_weighted_grads(term: HeadTerm, coef_B: Tensor, want_bias: bool) -> tupl
     head, compute, acc = term.head, _compute_dtype(term.head, term.fp32), _acc_dtype(term.head)
     B, n, D = term.hidden_BnD.shape
     vocab = head.out_features
-    c_Bn = coef_B.to(acc)[:, None] * term.valid_Bn.to(acc)
-    ch = (c_Bn[..., None] * term.hidden_BnD.to(acc)).to(compute)  # [B, n, D]: c_t h_t
+    c_Bn = coef_B.to(acc)[:, None] * term.valid_Bn.to(acc) / term.temperature  # c_t / T, 0 at padded slots
+    ch = (c_Bn[..., None] * term.hidden_BnD.to(acc)).to(compute)  # [B, n, D]: c_t h_t / T
     targets = term.targets_Bn[term.valid_Bn]
-    hit = (c_Bn * term.a_Bn / term.temperature)[term.valid_Bn]  # c_t a_t / T at each real slot
+    hit = (c_Bn * term.a_Bn)[term.valid_Bn]  # c_t a_t / T at each real slot
     hit_ND = hit[:, None] * term.hidden_BnD[term.valid_Bn].to(acc)  # its row of the weight's gradient
     grad_w = torch.empty(vocab, D, dtype=head.weight.dtype, device=ch.device)
     grad_b = torch.zeros(vocab, dtype=acc, device=ch.device) if want_bias else None
@@ -240,9 +240,7 @@ def head_weighted_grads(term: HeadTerm, coef_B: Tensor, want_bias: bool) -> tupl
             in_chunk = (t >= v0) & (t < v1)
             idx = (t - v0).clamp(0, v1 - v0 - 1)[..., None]
             q.scatter_(-1, idx, q.gather(-1, idx) * (~in_chunk)[..., None])
-            q.mul_(term.valid_Bn[r0:r1, :, None].to(acc) / term.temperature)
-            q_c = q.to(compute).reshape(-1, v1 - v0)
-            grad_c -= (q_c.T @ ch[r0:r1].reshape(-1, D)).to(acc)
+            grad_c -= (q.to(compute).reshape(-1, v1 - v0).T @ ch[r0:r1].reshape(-1, D)).to(acc)
             if grad_b is not None:
                 grad_b[v0:v1] -= (q * c_Bn[r0:r1, :, None]).sum((0, 1))
         in_chunk = (targets >= v0) & (targets < v1)

@@ -56,10 +56,12 @@ class RowChunk:
     n: int
 
 
-def row_chunks(lengths: list[int], per_row: int | None, max_ratio: float = 1.25) -> list[RowChunk]:
+def row_chunks(lengths: list[int], per_row: int | None, max_ratio: float = 2.0) -> list[RowChunk]:
     """Consecutive rows grouped so that each group's working set stays under ``_CHUNK_ELEMENTS``: ``per_row``
     elements a row (None: a token Gram, ``n^2`` for the group's longest row n); a row shorter than the group's
-    longest by more than ``max_ratio`` starts a new group (the learner sorts rows by length)."""
+    longest by more than ``max_ratio`` starts a new group (the learner sorts rows by length). Each group is a few
+    kernel launches per weight, so groups are split only where trimming saves much: a GPU step of a 0.5B model is
+    bound by its launches as much as by its FLOPs."""
     chunks, start, longest = [], 0, 0
     for i, n in enumerate(lengths):
         grown = max(longest, n, 1)
@@ -121,9 +123,8 @@ def _hf_rms_saved(module: nn.Module, x: Tensor, output: Tensor) -> Tensor | Scal
     """
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
 
-    def recompute(x: Tensor) -> Tensor:
-        x32 = x.to(torch.float32)
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    def recompute(x: Tensor) -> Tensor:  # float32 statistics, as the module computes them; one fused kernel
+        return F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=eps).to(x.dtype)
 
     def scale_of(plus_one: bool) -> Tensor:
         return 1.0 + module.weight.float() if plus_one else module.weight
@@ -294,10 +295,13 @@ def sq_norms(param: nn.Parameter, terms: list[Term], lengths: list[int]) -> Tens
     for chunk in row_chunks(lengths, None if use_gram else R * C):
         if use_gram:
             chunks.append(_gram_sq_norms(terms, chunk, mm_dtype))
+        elif dense and mm_dtype in _HALF and len(terms) == 1:  # one product, its squares summed in float32
+            grad_bRC = torch.bmm(_cut(terms[0].left, chunk).transpose(1, 2), _cut(terms[0].right_BNC, chunk))
+            chunks.append(torch.linalg.vector_norm(grad_bRC, dim=(1, 2), dtype=dtype).square())
         else:
             grad_bRC = _materialised(terms, chunk, (R, C), mm_dtype if dense else dtype)
             chunks.append(grad_bRC.to(dtype).square().sum((1, 2)))
-    return torch.cat(chunks).double()
+    return torch.cat(chunks).double() if len(chunks) > 1 else chunks[0].double()
 
 
 def _head_param_sq_norms(terms: list[Term]) -> Tensor:
@@ -397,9 +401,8 @@ def shared_weighted_grads(items: list[tuple[nn.Parameter, MatrixTerm]], coef_B: 
     scaled: dict[tuple, Tensor] = {}
 
     def scale(x: Tensor, key: tuple, dtype: torch.dtype) -> Tensor:
-        if key not in scaled:
-            acc = _compute_dtype(x)
-            scaled[key] = (coef_B.to(acc)[:, None, None] * x.to(acc)).to(dtype).reshape(-1, x.shape[-1])
+        if key not in scaled:  # a half factor times float32 coefficients: a float32 product, rounded once
+            scaled[key] = (x * coef_B.to(_compute_dtype(x))[:, None, None]).to(dtype).reshape(-1, x.shape[-1])
         return scaled[key]
 
     grads = []
@@ -464,14 +467,18 @@ def total_sq_norms(
         lengths = [int(n) for n in lengths_B.tolist()]
     mean_length = sum(lengths) / max(n_rows, 1)
     pooled: dict[torch.dtype, list[MatrixTerm]] = {}
+    per_param: list[Tensor] = []
     for param, terms in items:
         term = dense_single_term(param, terms)
         if term is not None and prefer_gram(mean_length, *param.shape):
             pooled.setdefault(_matmul_dtype(param, term.left, term.right_BNC), []).append(term)
         else:
-            total_B += sq_norms(param, terms, lengths)
-    for dtype, terms in pooled.items():
-        total_B += shared_gram_sq_norms(terms, dtype, lengths).double()
+            per_param.append(sq_norms(param, terms, lengths))
+    per_param += [shared_gram_sq_norms(terms, dtype, lengths).double() for dtype, terms in pooled.items()]
+    if lengths_B is not None:  # the chunked path: one sum (a launch per parameter adds up on a GPU)
+        return total_B + torch.stack(per_param).sum(0) if per_param else total_B
+    for part in per_param:  # the full path keeps its order of sums (and its float results)
+        total_B += part
     return total_B
 
 
