@@ -44,8 +44,9 @@ class Part:
     env: dict[str, str] | None = None
 
 
-def parts(quick: bool, out: Path) -> list[Part]:
-    """The checklist: on a GPU at the sizes the issues name, or (``quick``) on the CPU at toy sizes."""
+def parts(quick: bool, out: Path, profile: list[str] | None = None) -> list[Part]:
+    """The checklist: on a GPU at the sizes the issues name, or (``quick``) on the CPU at toy sizes; ``profile``:
+    the step_overhead arms whose torch.profiler table to add at the end."""
     runs = out / "runs"
     tiny = ["sft.steps=30", "sft.batch_size=32", "rollout.prompts_per_step=4", "rollout.group_size=4",
             "task.eval_size=16", "trainer.eval_every=0", "logging.progress=false"]
@@ -71,13 +72,13 @@ def parts(quick: bool, out: Path) -> list[Part]:
     train = ["model.device=cuda", "logging.progress=false", "trainer.eval_every=25", "task.eval_size=200"]
     step = ["benchmarks/step_overhead.py", "--device", "cuda", "--dtype", "bfloat16", "--setups", "qwen05b"]
     return [  # most wanted first: a part the suite's budget cannot reach is reported as not run
-        Part("tests/gpu", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"], 150),
+        Part("tests/gpu", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4", "tests/gpu"], 200),
         Part("step overhead", [*step, "--repeats", "6", "--arms", FAST_ARMS, "--json",
                                str(out / "step_overhead_fast.json")], 150),
         Part("learner memory", ["benchmarks/learner_memory.py", "--device", "cuda", "--dtype", "bfloat16",
                                 "--setups", "qwen05b_1k", "--micro-batch-tokens", "16384"], 150),
         *(Part(f"engine throughput {dtype}", ["benchmarks/engine_throughput.py", "--device", "cuda", "--dtype", dtype,
-                                              "--setups", "large,qwen05b", "--repeats", "2"], 75)
+                                              "--setups", "qwen05b", "--repeats", "2"], 60)
           for dtype in ("float32", "bfloat16")),
         Part("mismatch", ["benchmarks/mismatch.py", "model.device=cuda", "--steps", "10"], 90),
         *(Part(f"train {mode} 50 steps", ["-m", "vcpo.cli", "train", "-c", "configs/quickstart.yaml", *train,
@@ -85,7 +86,7 @@ def parts(quick: bool, out: Path) -> list[Part]:
           for mode in ("sync", "async")),
         Part("step overhead, other variants", [*step, "--repeats", "4", "--arms", OTHER_ARMS, "--json",
                                                str(out / "step_overhead_other.json")], 100),
-        Part("profile of a vcpo_fast step", [*step, "--profile", "vcpo_fast"], 60),
+        *(Part(f"profile of a {arm} step", [*step, "--profile", arm], 60) for arm in (profile or [])),
     ]
 
 
@@ -159,10 +160,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="on the CPU at toy sizes, in a minute or two (CI)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="every part must end within this (seconds)")
     ap.add_argument("--only", default=None, help="comma-separated part names to run (default: all)")
+    ap.add_argument("--profile", default=None, metavar="ARMS",
+                    help="comma-separated step_overhead arms to profile at the end (e.g. grpo,vcpo_fast)")
     args = ap.parse_args()
     summary_path = Path(args.out).resolve()
     work = Path(tempfile.mkdtemp(prefix="vcpo-gpu-suite-"))
-    todo = parts(args.quick, work)
+    todo = parts(args.quick, work, args.profile.split(",") if args.profile else None)
     if args.only:
         todo = [p for p in todo if p.name in args.only.split(",")]
     started, deadline = time.monotonic(), time.monotonic() + args.budget_s

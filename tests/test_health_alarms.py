@@ -253,7 +253,10 @@ def test_a_run_pushed_over_the_edge_alarms_within_5_steps_and_stop_keeps_only_he
     assert any(v for k, v in metrics(run)[-1].items() if "alarm" in k)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"].startswith("stopped: health alarm (") and sum(summary["alarms"].values()) >= 1
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: stopped at step {stopped}: health alarm")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: stopped at step {stopped}: health alarm")
+    if edge.startswith("lr_"):  # the stopped run is evaluated as it ends: broken weights, worse beyond noise
+        assert summary["verdict"] == "worse" and ", WORSE than before RL beyond noise (" in last, last
     # what remains resumable is older than the evidence: step t's line judges the weights of step t - 1
     ckpts = run / "checkpoints"
     kept = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_") and "." not in p.name)

@@ -39,7 +39,7 @@ from vcpo.train.alarms import REMEDIES, Alarm, HealthMonitor, accuracy_verdict
 from vcpo.train.checkpoint import CheckpointError, discard_after, load_checkpoint, save_checkpoint, set_aside
 from vcpo.train.evaluate import EvalSettings
 from vcpo.train.evaluate import evaluate as evaluate_policy
-from vcpo.train.health import RunHealth
+from vcpo.train.health import RunHealth, ended
 from vcpo.train.learner import Learner
 from vcpo.train.run_dir import SUMMARY_FILE, RunDirectory, complete_checkpoints, resume_candidates
 from vcpo.train.sft import warm_start
@@ -281,6 +281,7 @@ class _Job:
         self.initial_accuracy: float | None = state.get("initial_accuracy")
         self.last_accuracy: float | None = state.get("last_accuracy", self.initial_accuracy)
         self.source: RolloutSource | None = None
+        self.evaluated_at = learner.version if self.initial_accuracy is not None else -1
         self.started = time.perf_counter()
         tc = config.trainer
         self.eval_settings = EvalSettings(config.rollout.max_new_tokens, tc.eval_samples, tc.eval_temperature,
@@ -292,7 +293,19 @@ class _Job:
         is N > 0) is kept in ``eval_metrics`` for the step's metrics line."""
         self.eval_metrics = evaluate_policy(self.learner.model, self.tokenizer, self.task, self.eval_problems,
                                             self.eval_settings) | {"eval/problems": len(self.eval_problems)}
+        self.evaluated_at = self.learner.version
         return self.eval_metrics["eval/accuracy"]
+
+    def evaluate_the_end(self) -> None:
+        """A run that stops early (a health alarm, a non-finite streak) is evaluated as it ends, unless its last
+        evaluation saw these weights: its summary then says whether it ended worse than it started."""
+        if self.evaluated_at == self.learner.version or self.initial_accuracy is None:
+            return
+        try:
+            with self.signals.interruptible():
+                self.last_accuracy = self.evaluate()
+        except Exception as e:  # the failure being reported matters more than this evaluation
+            say(f"warning: the final evaluation failed ({type(e).__name__}: {e}); the summary keeps the last one")
 
     def run(self, model_path: Path) -> dict[str, Any]:
         launched = None
@@ -328,8 +341,9 @@ class _Job:
                     self.open_source(model_path, servers)
             self.checkpoint()
         except HealthAlarm as e:  # the last step no rule flagged is checkpointed already
-            self.finish(f"stopped: {e}")
-            raise HealthAlarm(f"stopped at step {self.learner.version}: {e}; {self.kept()}") from None
+            self.evaluate_the_end()
+            summary = self.finish(f"stopped: {e}")
+            raise HealthAlarm(f"stopped at step {self.learner.version}: {e}; {self.kept()}{ended(summary)}") from None
         except StopRequested:
             sig = signal_name(self.signals.signum)
             if self.learner.version == self.start_step:
@@ -344,8 +358,9 @@ class _Job:
         except RunFailed as e:
             self.checkpoint()
             self.set_aside_suspect()
-            self.finish(f"stopped: {e}")
-            raise RunFailed(f"stopped at step {self.learner.version}: {e}; {self.kept()}") from None
+            self.evaluate_the_end()
+            summary = self.finish(f"stopped: {e}")
+            raise RunFailed(f"stopped at step {self.learner.version}: {e}; {self.kept()}{ended(summary)}") from None
         except DiskError:  # a full or read-only disk refuses the checkpoint too: the previous one stays the latest
             raise
         except BaseException:
