@@ -35,6 +35,7 @@ from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu, resolve_device
 from vcpo.tasks import make_task, prepare_scoring
 from vcpo.tasks.prompts import check_prompt_format
+from vcpo.trackers import open_trackers
 from vcpo.train.alarms import REMEDIES, Alarm, HealthMonitor, accuracy_verdict
 from vcpo.train.checkpoint import CheckpointError, discard_after, load_checkpoint, save_checkpoint, set_aside
 from vcpo.train.evaluate import EvalSettings
@@ -328,17 +329,17 @@ class _Job:
                 say(f"rollout servers up: {', '.join(urls)} (logs in {launched.log_dir})")
                 servers = self.config.rollout.server.model_copy(update={"urls": urls, "launch": None})
             self.open_source(model_path, servers)
-            while True:
-                try:
-                    with (
-                        MetricsLogger(self.run_dir, tensorboard=self.config.logging.tensorboard) as logger,
-                        _progress(self.config.logging.progress) as bar,
-                    ):
-                        self.loop(logger, bar)
-                    break
-                except _Rollback as rollback:
-                    self.roll_back(rollback.alarms)
-                    self.open_source(model_path, servers)
+            lc = self.config.logging
+            with open_trackers(lc.report_to, self.run_dir, lc.project, lc.run_name or self.run_dir.name,
+                               self.config.to_dict()) as sinks:  # one tracker run across rollbacks
+                while True:
+                    try:
+                        with MetricsLogger(self.run_dir, sinks) as logger, _progress(lc.progress) as bar:
+                            self.loop(logger, bar)
+                        break
+                    except _Rollback as rollback:
+                        self.roll_back(rollback.alarms)
+                        self.open_source(model_path, servers)
             self.checkpoint()
         except HealthAlarm as e:  # the last step no rule flagged is checkpointed already
             self.evaluate_the_end()
