@@ -6,7 +6,7 @@ fast norms (each OPOB variant) and VCPO with the logit proxy, on one batch, so t
 (and move) the float32 products and the vocabulary-sized tensors that make a GPU step slow.
 
 Default shape: Qwen2.5-0.5B's widths (hidden 896, 14 heads, 2 KV heads, MLP 4864, vocabulary 151,936, tied
-embeddings) with 2 layers, bfloat16 weights, 2 rows of up to 512 tokens (prompt 128, responses 288-384).
+embeddings) with 2 layers, bfloat16 weights, 2 rows of 512 tokens (prompt 128, response 384).
 Attention runs in its eager form, so that its products are counted too.
 
     python benchmarks/learner_probe.py                       # the default shape, every arm
@@ -58,9 +58,11 @@ class CountingMode(TorchDispatchMode):
         if packet in flop_registry:
             dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
             self.count.flops[str(dtype).removeprefix("torch.")] += flop_registry[packet](*args, **kwargs, out_val=out)
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, tuple | list) else (out,):
-            # a view (a transposed weight, say) holds no memory of its own
-            if isinstance(t, torch.Tensor) and not t._is_view() and t.numel() * t.element_size() >= BIG_BYTES:
+            # a view of an input (a transposed weight, say) holds no memory of its own
+            if (isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
+                    and t.numel() * t.element_size() >= BIG_BYTES):
                 if tuple(t.shape) in self.parameter_shapes:
                     self.count.parameter_shaped += 1
                     continue
@@ -92,7 +94,8 @@ PROBE_ARMS = {
 def probe(s: Setup, arm: str, dtype: torch.dtype) -> tuple[StepCount, float]:
     """The counted step (after a warm-up step) and, measured apart in this process, the RSS rise of another."""
     model = build_model(s, dtype)
-    batch = build_batch(s, model, "cpu")
+    batch = build_batch(s, model, "cpu", full_length=True)
+    batch.rewards_B = (torch.arange(len(batch.rewards_B)) % 2).to(batch.rewards_B)  # every group mixed: all norms
     learner = Learner(model, load_config(None, PROBE_ARMS[arm]))
     learner.step(batch)
     with PeakMemory("cpu") as mem:
@@ -127,7 +130,7 @@ def main() -> None:
     arms = args.arms.split(",")
     chunk_bytes = logprobs.CHUNK_LOGITS * 4  # one chunk of float32 logits, as the lean head holds
     print(f"setup {s.name}: hidden {s.hidden}, {s.layers} layers, vocabulary {s.vocab}, {s.prompts * s.group} rows "
-          f"of up to {s.prompt_len + s.response_len} tokens, {args.dtype} weights; torch {torch.__version__}")
+          f"of {s.prompt_len + s.response_len} tokens, {args.dtype} weights; torch {torch.__version__}")
     results = {}
     ctx = multiprocessing.get_context("fork")  # each arm in its own process: a clean allocator and RSS
     for arm in arms:

@@ -101,19 +101,22 @@ def build_model(s: Setup, device: str, dtype: torch.dtype = torch.float32) -> to
         return transformers.LlamaForCausalLM(cfg).to(dtype=dtype).eval()
 
 
-def build_batch(s: Setup, model: torch.nn.Module, device: str, equal_groups: float = 0.0) -> Batch:
+def build_batch(s: Setup, model: torch.nn.Module, device: str, equal_groups: float = 0.0,
+                full_length: bool = False) -> Batch:
     """A batch with varied response lengths, 0/1 rewards and stale behavior log-probs: the model's own
     log-probs plus N(0, 0.3) per token, so sequence weights spread around 1 as they do after a few
     policy versions (log-probs unrelated to the model would put every weight at the clamp floor).
 
     Rewards are fair coin flips, so nearly every group has differing rewards and every row needs its
     OPOB norm (the worst case); ``equal_groups`` is the fraction of groups given equal rewards instead
-    (all 0 or all 1, alternately), as in training batches, where about half the groups are."""
+    (all 0 or all 1, alternately), as in training batches, where about half the groups are. ``full_length``: every
+    response ``response_len`` tokens (else half that to all of it)."""
     g = torch.Generator().manual_seed(1)
     n_equal = round(equal_groups * s.prompts)
     trajectories = []
     for i in range(s.prompts * s.group):
         r_len = int(torch.randint(max(1, s.response_len // 2), s.response_len + 1, (1,), generator=g))
+        r_len = s.response_len if full_length else r_len
         prompt = torch.randint(3, s.vocab, (s.prompt_len,), generator=g).tolist()
         response = torch.randint(3, s.vocab, (r_len,), generator=g).tolist()
         blp = (-3 * torch.rand(r_len, generator=g)).tolist()

@@ -101,10 +101,10 @@ def test_a_policy_turned_uniform_fires_on_its_entropy_near_ln_v_or_far_above_the
     # a sampler uniform from the start: no rise, but at ln V from step 1
     assert _feed(HealthMonitor(HealthConfig(), vocab_size=103), [_line(1, **uniform), _line(2, **uniform)]) == [
         [], ["uniform_policy"]]
-    # without a vocabulary size, a rise of more than 1 nat (0.6 -> 1.7) for 2 steps; a rise of 0.9 is not one
-    rise = [_line(1), _line(2, **{"response/logprob_mean": -1.7}), _line(3, **{"response/logprob_mean": -1.7})]
+    # without a vocabulary size, a rise of more than 2 nats (0.6 -> 2.7) for 2 steps; a rise of 1.9 is not one
+    rise = [_line(1), _line(2, **{"response/logprob_mean": -2.7}), _line(3, **{"response/logprob_mean": -2.7})]
     assert _feed(HealthMonitor(HealthConfig()), rise) == [[], [], ["uniform_policy"]]
-    mild = [_line(s, **{"response/logprob_mean": -0.6 - 0.9 * (s > 1)}) for s in range(1, 8)]
+    mild = [_line(s, **{"response/logprob_mean": -0.6 - 1.9 * (s > 1)}) for s in range(1, 8)]
     assert _feed(HealthMonitor(HealthConfig(), vocab_size=103), mild) == [[]] * 7
     # a large vocabulary's healthy entropy (2 nats of ln 151936 = 11.9) is far from uniform
     big = [_line(s, **{"response/logprob_mean": -2.0}) for s in range(1, 8)]

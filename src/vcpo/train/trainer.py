@@ -359,9 +359,12 @@ class _Job:
         except RunFailed as e:
             self.checkpoint()
             self.set_aside_suspect()
-            self.evaluate_the_end()
+            policy = self.health.consecutive_skipped > 0  # a non-finite streak, not a lost worker or rank
+            if policy:
+                self.evaluate_the_end()
             summary = self.finish(f"stopped: {e}")
-            raise RunFailed(f"stopped at step {self.learner.version}: {e}; {self.kept()}{ended(summary)}") from None
+            raise RunFailed(f"stopped at step {self.learner.version}: {e}; {self.kept()}"
+                            f"{ended(summary) if policy else ''}") from None
         except DiskError:  # a full or read-only disk refuses the checkpoint too: the previous one stays the latest
             raise
         except BaseException:
