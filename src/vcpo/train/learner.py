@@ -78,6 +78,11 @@ class Learner:
     """Owns the trained model and its optimizer; ``version`` counts optimizer steps taken; ``lr`` is the learning rate
     before the ESS scale (trainer.lr, unless a health rollback lowered it)."""
 
+    optimizer_class: type[LearnerOptimizer] = LearnerOptimizer
+    lean_logprobs = True
+    """Whether log-probs may take the lean path (the model body, then the LM head's weight read directly);
+    a sharded model's head weight is whole only inside the model's own forward (vcpo.train.sharding)."""
+
     def __init__(self, model: torch.nn.Module, config: Config) -> None:
         self.model = model
         self.config = config
@@ -85,7 +90,7 @@ class Learner:
         self.lr = tc.lr
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = LearnerOptimizer(self.params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
+        self.optimizer = self.optimizer_class(self.params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
         name = config.objective.name
         self.objective = get_objective(name)
         self.objective_kwargs = dict(config.objective.kwargs)
@@ -127,7 +132,8 @@ class Learner:
         with torch.set_grad_enabled(grad), checkpointing_active(self.checkpointed + self.dropouts if grad else []):
             return token_logprobs(
                 self.model, batch.input_ids_BS, batch.attention_mask_BS, self.config.rollout.temperature,
-                return_entropy=entropy, positions=batch.response_mask_BS, lm_head_fp32=self.config.model.lm_head_fp32,
+                return_entropy=entropy, positions=batch.response_mask_BS if self.lean_logprobs else None,
+                lm_head_fp32=self.config.model.lm_head_fp32,
                 return_collision=collision,
             )
 
@@ -343,11 +349,19 @@ class Learner:
         coef_BS = torch.where(mask_BS, coef_BS, torch.zeros_like(coef_BS))
         row_coef_B = coef_BS.sum(1) / mask_BS.sum(1).clamp(min=1)
         spread = torch.where(mask_BS, coef_BS - row_coef_B[:, None], torch.zeros_like(coef_BS)).abs().max()
-        if float(spread) <= 1e-6 * max(float(row_coef_B.abs().max()), 1e-30):
-            capture.accumulate_grad(row_coef_B)
+        if self.agreed(float(spread) <= 1e-6 * max(float(row_coef_B.abs().max()), 1e-30)):
+            self.add_captured_grad(capture, row_coef_B)
             return False
         (coef_BS * self.logprobs(batch)).sum().backward()
         return True
+
+    def agreed(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every learner rank (ranks whose passes are collectives must take the same ones)."""
+        return flag
+
+    def add_captured_grad(self, capture: PerRowGradCapture, coef_B: Tensor) -> None:
+        """Add ``sum_b coef_b grad_theta score_b`` from the capture to the parameters' gradients."""
+        capture.accumulate_grad(coef_B)
 
 
 def merge_part_metrics(dicts: list[dict[str, float]]) -> dict[str, float]:
