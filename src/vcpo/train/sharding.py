@@ -17,6 +17,7 @@ hooks see each layer whole (gathered) and this rank's rows: per-row norms need n
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,10 +84,13 @@ def shard_model(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def build_sharded_model(model_path: str, config: Config, device: torch.device) -> nn.Module:
+def build_sharded_model(model_path: str, config: Config, device: torch.device,
+                        initial: dict[str, Tensor] | None = None) -> nn.Module:
     """This rank's sharded policy (with ``model.lora``'s adapters): rank 0 loads the weights, every other rank builds
     the architecture on the meta device; after sharding, rank 0's weights are broadcast into each rank's shards
-    (``set_model_state_dict(broadcast_from_rank0=True)``), so no rank but 0 ever holds the whole model."""
+    (``set_model_state_dict(broadcast_from_rank0=True)``), so no rank but 0 ever holds the whole model. ``initial``
+    (rank 0's only): tensors of the state dict to start from instead, e.g. the driver's LoRA adapters or its
+    half-precision weights (an unsharded learner's masters start as those too)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     master = master_dtype(config)
@@ -99,6 +103,8 @@ def build_sharded_model(model_path: str, config: Config, device: torch.device) -
                                                      dtype=master).eval()
     model = apply_lora_config(model, config.model.lora)
     full = model.state_dict() if dist.get_rank() == 0 else {}
+    for key, value in (initial or {}).items():
+        full[key] = value.to(device=device, dtype=full[key].dtype)
     shard_model(model, DTYPES[config.model.dtype])
     if dist.get_rank() != 0:
         model.to_empty(device=device)
@@ -233,7 +239,9 @@ def load_sharded_whole(model: nn.Module, optimizer: LearnerOptimizer | None, pat
         state["optimizer"] = {"state": {name: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(into[id(p)]),
                                                "exp_avg_sq": torch.zeros_like(into[id(p)])}
                                         for name, p in weights.items()}}
-    dcp.load(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():  # DCP's note that it reads in a single process: that is the intent here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(state, checkpoint_id=str(path))
     if optimizer is None:
         return
     order = {id(p): i for i, p in enumerate(optimizer.params)}
