@@ -1,7 +1,7 @@
 """`vcpo train ... trainer.num_learners=2 trainer.sharding=fsdp` through the real command line: two sharded learner
 processes train like one process (the lagged reference run of conftest), their checkpoint resumes on one process and
 on four sharded ranks to the same metrics, and `vcpo export` turns it into a Hugging Face directory that transformers
-loads with one process's weights."""
+loads with one process's weights; unsharded local ranks resume like one process too."""
 
 from __future__ import annotations
 
@@ -56,6 +56,15 @@ def test_a_two_rank_checkpoint_resumes_on_one_process_and_on_four_ranks(tmp_path
     (part / "checkpoints" / "latest").write_text("step_000002\n")
     vcpo("train", "--resume", str(part), *learners)
     assert_same_metrics(metrics(lagged_full), metrics(part))
+
+
+def test_two_unsharded_local_ranks_resume_like_one_process(tmp_path, tiny, lagged_full):
+    """trainer.num_learners=2 without sharding: local data-parallel ranks; a resume hands each rank its own copy of
+    the optimizer state."""
+    run = tmp_path / "dp"
+    vcpo("train", *tiny, *LAGGED, "trainer.num_learners=2", f"run_dir={run}", "trainer.max_steps=2")
+    vcpo("train", "--resume", str(run), "trainer.max_steps=4")
+    assert_same_metrics(metrics(lagged_full), metrics(run))
 
 
 def test_export_of_a_sharded_checkpoint_is_one_process_model(tmp_path, sharded_run, lagged_full):

@@ -10,6 +10,7 @@ unsharded, rank 0 copies its own weights. With fsdp the ranks also write and rea
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import time
@@ -131,7 +132,8 @@ def learner_rank(spec: RankSpec, conn: Connection, mirror: dict[str, torch.Tenso
                     state = learner.model.state_dict()
                     for key, value in mirror.items():
                         state[key].copy_(value)
-                learner.optimizer.load_state_dict(args[0])
+                # A copy: the state arrived in shared memory, the same tensors on every rank, which each updates
+                learner.optimizer.load_state_dict(copy.deepcopy(args[0]))
                 answer = None
             conn.send(("ok", answer))
     except EOFError:  # the driver is gone
