@@ -86,30 +86,33 @@ def shard_model(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
 
 def build_sharded_model(model_path: str, config: Config, device: torch.device,
                         initial: dict[str, Tensor] | None = None) -> nn.Module:
-    """This rank's sharded policy (with ``model.lora``'s adapters): rank 0 loads the weights, every other rank builds
-    the architecture on the meta device; after sharding, rank 0's weights are broadcast into each rank's shards
-    (``set_model_state_dict(broadcast_from_rank0=True)``), so no rank but 0 ever holds the whole model. ``initial``
-    (rank 0's only): tensors of the state dict to start from instead, e.g. the driver's LoRA adapters or its
-    half-precision weights (an unsharded learner's masters start as those too)."""
+    """This rank's sharded policy (with ``model.lora``'s adapters) on ``device``: every rank builds the architecture
+    on the meta device and shards it; rank 0 alone loads the weights, on the CPU, and they are broadcast into each
+    rank's shards a tensor at a time (``set_model_state_dict(broadcast_from_rank0=True)``), so no accelerator ever
+    holds the whole model. ``initial`` (rank 0's only): tensors of the state dict to start from instead, e.g. the
+    driver's LoRA adapters or its half-precision weights (an unsharded learner's masters start as those too)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     master = master_dtype(config)
-    name = next(key for key, value in DTYPES.items() if value == master)
+    full: dict[str, Tensor] = {}
+    buffers: dict[str, Tensor] = {}
     if dist.get_rank() == 0:
-        model = load_policy(model_path, name, device)[0]
-    else:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path, local_files_only=True),
-                                                     dtype=master).eval()
+        loaded = apply_lora_config(load_policy(model_path, str(master).removeprefix("torch."), "cpu")[0],
+                                   config.model.lora)
+        full, buffers = loaded.state_dict(), dict(loaded.named_buffers())
+        for key, value in (initial or {}).items():
+            full[key] = value.detach().to(device="cpu", dtype=full[key].dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path, local_files_only=True),
+                                                 dtype=master).eval()
     model = apply_lora_config(model, config.model.lora)
-    full = model.state_dict() if dist.get_rank() == 0 else {}
-    for key, value in (initial or {}).items():
-        full[key] = value.to(device=device, dtype=full[key].dtype)
     shard_model(model, DTYPES[config.model.dtype])
-    if dist.get_rank() != 0:
-        model.to_empty(device=device)
-    for buffer in model.buffers():  # the rotary tables are not in the state dict: rank 0's computed ones
-        dist.broadcast(buffer, src=0)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():  # the rotary tables are not in the state dict: rank 0's
+            if buffers:
+                buffer.copy_(buffers[name])
+            dist.broadcast(buffer, src=0)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
 
