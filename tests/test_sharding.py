@@ -1,6 +1,7 @@
 """trainer.sharding=fsdp: 2 and 4 FSDP2-sharded ranks (local processes, gloo) take the same step as one unsharded
 learner on the same batch (gradient before clipping, metrics, weights after), for GRPO, VCPO with fast OPOB norms and
-the logit proxy, LoRA, activation checkpointing, and micro-batches whose count differs between ranks (idle passes);
+the logit proxy, LoRA, untied embeddings,
+activation checkpointing, and micro-batches whose count differs between ranks (idle passes);
 a sharded checkpoint written by 2 ranks is read whole by one process, and by 4 ranks."""
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ CASES = {
                                 "trainer.gradient_checkpointing=true"],
     "bapo_micro": ["objective.name=bapo", "advantage.estimator=grpo", "trainer.micro_batch_tokens=24"],
     "lora_vcpo_fast": ["objective.name=vcpo", "advantage.estimator=opob", "model.lora.rank=4", "model.lora.alpha=8"],
+    "untied_vcpo_fast": ["objective.name=vcpo", "advantage.estimator=opob"],  # embeddings and head: units of their own
 }
 FOUR_RANK_CASES = ("grpo", "vcpo_opob_fast", "lora_vcpo_fast")
+UNTIED = copy.deepcopy(MODEL)
+UNTIED.lm_head.weight = torch.nn.Parameter(MODEL.lm_head.weight.detach() + 0.01)
+UNTIED.config.tie_word_embeddings = False
 # 5 groups of 4: 2 ranks take 3 and 2 groups, 4 ranks 2, 1, 1, 1 (uneven on purpose)
 BATCH = make_batch(seed=1, rows=20)
 
@@ -53,7 +58,8 @@ def step(learner_cls, overrides: list[str], world_size: int = 1):
     """The step's metrics, the weights after it, and the (summed) gradient before clipping."""
     cfg = config(overrides, world_size)
     torch.manual_seed(0)
-    model = apply_lora_config(copy.deepcopy(MODEL).float(), cfg.model.lora)
+    model = apply_lora_config(copy.deepcopy(UNTIED if overrides is CASES["untied_vcpo_fast"] else MODEL).float(),
+                              cfg.model.lora)
     if learner_cls is ShardedLearner:
         model = shard_model(model, torch.float32)
     learner = learner_cls(model, cfg)

@@ -71,7 +71,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def shard_model(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
     """Shard ``model`` (master-precision weights) in place over the default process group and return it:
     ``fully_shard`` on each decoder layer, then on the root (the embeddings, final norm and LM head), gathered in
-    ``compute_dtype`` and reduced in at least float32, gradients summed over the ranks."""
+    ``compute_dtype`` and reduced in at least float32, gradients summed over the ranks.
+
+    The root's unit is whole through each forward and backward: for Qwen2.5-7B's untied embeddings and head, 1.1B
+    parameters (2 GiB in bfloat16). Units of their own would halve that, but the fast OPOB norms recognise a module by
+    its exact class, and FSDP2 gives a sharded module a class of its own (``FSDPEmbedding``)."""
     reduce_dtype = torch.promote_types(compute_dtype, torch.float32)
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     for layer in decoder_layers(model):
