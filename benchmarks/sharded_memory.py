@@ -7,7 +7,8 @@ them), take one VCPO step with fast OPOB norms on a fixed batch, and report per 
 shards, gradient shards (after the backward) and AdamW state (after the step), counted from the local tensors, its
 peak resident set before the publication, and the time of one publication: every rank gathers the weights a layer at
 a time (``gathered_layers``) and rank 0 copies each layer into a mirror. N = 1 is one unsharded ``Learner``
-(``trainer.sharding: none``) on the same batch, for reference.
+(``trainer.sharding: none``) on the same batch, for reference. Then the driver's side of a publication from its
+mirror, per engine kind (``publication``).
 
 Computed: float32 master weights, float32 gradients and AdamW's two float32 moments are 16 bytes a parameter, over N
 ranks; plus what is gathered whole in bfloat16 during a pass: the root's unit (embeddings, final norm, LM head), whole
@@ -22,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import tempfile
 import time
 from pathlib import Path
@@ -87,7 +86,10 @@ def local_bytes(tensors) -> int:
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's resident high-water mark (``VmHWM``: its own, unlike ``ru_maxrss``, which a spawned process
+    inherits from its parent's)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def run_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
@@ -140,7 +142,8 @@ def measure(name: str, world: int, model_dir: Path, tmp: Path) -> list[dict]:
     ctx = mp.get_context("spawn")
     out = str(tmp / f"{name}-{world}")
     port = free_port()
-    procs = [ctx.Process(target=run_rank, args=(r, world, port, str(model_dir), out)) for r in range(world)]
+    procs = [ctx.Process(target=run_rank, args=(r, world, port, str(model_dir), out), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -148,6 +151,33 @@ def measure(name: str, world: int, model_dir: Path, tmp: Path) -> list[dict]:
         if p.exitcode != 0:
             raise RuntimeError(f"{name} N={world}: a rank exited with {p.exitcode}")
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+
+
+def publication(name: str, model_dir: Path, runs: Path) -> dict:
+    """The driver's side of a publication, from its mirror: into the shared copy the rollout worker processes read
+    (``AsyncSource.publish``), and a version written for inference servers (``write_weights_dir``) on the run's disk
+    and in /dev/shm. The in-process engine shares the mirror's tensors: nothing to publish."""
+    from vcpo.models.loading import load_policy
+    from vcpo.models.lora import sync_state_dict
+    from vcpo.rollout.weights import write_weights_dir
+
+    state = sync_state_dict(load_policy(model_dir, "float32", "cpu")[0])
+    shared = {k: v.clone().share_memory_() for k, v in state.items()}
+    row: dict = {"model": name, "MiB": sum(v.numel() * v.element_size() for v in state.values()) / 2**20}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for key, value in state.items():
+            shared[key].copy_(value)
+    row["workers_s"] = time.perf_counter() - t0
+    for where, root in (("disk", runs), ("shm", Path("/dev/shm"))):
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            times = []
+            for version in range(1, 4):
+                t0 = time.perf_counter()
+                write_weights_dir(tmp, state, version)
+                times.append(time.perf_counter() - t0)
+            row[f"server_write_{where}_s"] = sorted(times)[1]  # the median of 3
+    return row
 
 
 def computed() -> list[dict]:
@@ -176,6 +206,7 @@ def main() -> None:
     parser.add_argument("--models", default="small,medium")
     parser.add_argument("--world", default="1,2,4")
     parser.add_argument("--out", default=None, help="write every row as JSON here")
+    parser.add_argument("--disk", default=".", help="a directory on the disk runs write to (the server versions)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -185,12 +216,13 @@ def main() -> None:
                 for row in measure(name, world, model_dir, Path(tmp)):
                     rows.append({"model": name} | row)
                     print(json.dumps(rows[-1]), flush=True)
+            rows.append(publication(name, model_dir, Path(args.disk)))
+            print(json.dumps(rows[-1]), flush=True)
     for row in computed():
         print(json.dumps(row))
         rows.append(row)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
-    os.sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -190,6 +190,7 @@ class LocalLearnerGroup:
         self.version = 0
         self.lr = config.trainer.lr
         self.skip_reason: str | None = None
+        self.down: str | None = None  # why the group failed, once it has
         self.optimizer = _ShardedState(self) if config.trainer.sharding == "fsdp" else _RankZeroOptimizer(self)
         self.mirror = sync_state_dict(model)
         for tensor in self.mirror.values():
@@ -215,7 +216,15 @@ class LocalLearnerGroup:
             raise
 
     def answers(self, what: str) -> list[Any]:
-        """Every rank's answer to the request just sent; the first error or death ends the wait, naming the rank."""
+        """Every rank's answer to the request just sent; the first error or death ends the wait, naming the rank, and
+        leaves the group down (its other ranks may be stuck in a collective with the lost one)."""
+        try:
+            return self._answers(what)
+        except BackendError as e:
+            self.down = str(e)
+            raise
+
+    def _answers(self, what: str) -> list[Any]:
         pending = dict(enumerate(self.conns))
         values: list[Any] = [None] * len(self.conns)
         while pending:
@@ -237,8 +246,13 @@ class LocalLearnerGroup:
         return values
 
     def call(self, request: str, *args: Any, what: str) -> list[Any]:
+        if self.down is not None:
+            raise BackendError(f"the learner group cannot do {what}: it is down ({self.down})")
         for conn in self.conns:
-            conn.send((request, *args))
+            try:
+                conn.send((request, *args))
+            except OSError:  # a rank that died since: its end-of-file or exit code names it below
+                pass
         return self.answers(what)
 
     def step(self, batch: Batch) -> dict[str, float]:
