@@ -47,7 +47,8 @@ def test_two_sharded_ranks_train_like_one_process(sharded_run, lagged_full):
     assert all(m["time/weight_publish_s"] > 0 for m in metrics(sharded_run))
 
 
-@pytest.mark.parametrize("learners", [["trainer.num_learners=1", "trainer.sharding=none"], ["trainer.num_learners=4"]])
+@pytest.mark.parametrize("learners", [["trainer.num_learners=1", "trainer.sharding=none"], ["trainer.num_learners=4"],
+                                      ["trainer.num_learners=1"]])  # one process unsharded; 4 ranks; a world of one
 def test_a_two_rank_checkpoint_resumes_on_one_process_and_on_four_ranks(tmp_path, sharded_run, lagged_full,
                                                                         learners):
     part = tmp_path / "part"
@@ -78,7 +79,6 @@ def test_export_of_a_sharded_checkpoint_is_one_process_model(tmp_path, sharded_r
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["trainer.sharding=fsdp"], "trainer.sharding=fsdp shards over trainer.num_learners ranks"),
     ([*FSDP, "advantage.grad_norm_method=exact"], "advantage.grad_norm_method=exact with trainer.sharding=fsdp"),
     ([*FSDP, "model.lm_head_fp32=true"], "model.lm_head_fp32 with trainer.sharding=fsdp"),
     ([*FSDP, "async.backend=ray", "ray.weight_sync=broadcast"], "ray.weight_sync=broadcast with trainer.sharding"),

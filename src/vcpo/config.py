@@ -706,9 +706,6 @@ class Config(_Strict):
 
 def _check_sharding(config: Config) -> None:
     """What ``trainer.sharding=fsdp`` cannot be combined with, one line each (docs/scaling.md)."""
-    if config.trainer.num_learners < 2:
-        raise ValueError("trainer.sharding=fsdp shards over trainer.num_learners ranks: set trainer.num_learners=2 "
-                         "or more")
     if config.advantage.estimator == "opob" and config.advantage.grad_norm_method == "exact":
         raise ValueError("advantage.grad_norm_method=exact with trainer.sharding=fsdp: a sharded backward sums every "
                          "rank's rows; use fast or logit_proxy")

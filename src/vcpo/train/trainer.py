@@ -217,10 +217,10 @@ def train(config: Config, resume: bool = False, signals: StopSignals | None = No
 
 def make_learner(config: Config, model: torch.nn.Module, model_path: Path, backend, closing: ExitStack) -> Learner:
     """The run's learner: this process's, ``backend``'s learner group, or trainer.num_learners local processes (closed
-    by ``closing``), the last two mirrored by ``model``."""
+    by ``closing``; one, sharded, is a world of one rank), the last two mirrored by ``model``."""
     if backend is not None:
         return backend.learner(model, str(model_path))
-    if config.trainer.num_learners == 1:
+    if config.trainer.num_learners == 1 and config.trainer.sharding == "none":
         return Learner(model, config)
     from vcpo.orchestration.local_learners import LocalLearnerGroup
 

@@ -72,7 +72,7 @@ class LearnerActor:
         from vcpo.train.data_parallel import DataParallelLearner, init_process_group
         from vcpo.train.learner import Learner
 
-        if self.world_size == 1:
+        if self.world_size == 1 and not self.sharded:
             self.learner = Learner(self.model, self.config)
             return
         init_process_group(self.rank, self.world_size, address, port, self.config.ray.timeout_s)
