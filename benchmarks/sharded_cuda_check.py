@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from sharded_memory import make_batch
+from sharded_memory import make_batch, save_model
 
 from vcpo.config import load_config
 from vcpo.models.loading import load_policy
@@ -25,23 +25,6 @@ from vcpo.train.learner import Learner
 from vcpo.train.sharding import ShardedLearner, build_sharded_model, gathered_layers
 
 SHAPES = {"cuda": (1024, 24, 2816, 16, 32000), "cpu": (128, 2, 384, 4, 1000)}  # hidden, layers, inter, heads, vocab
-
-
-def save_model(device: str, out: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from vcpo.models.default import BASE_CHARACTERS, build_char_tokenizer
-
-    hidden, layers, inter, heads, vocab = SHAPES[device]
-    tokenizer = build_char_tokenizer(BASE_CHARACTERS)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=1024,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 def peak_gib(device: torch.device) -> float:
@@ -72,7 +55,7 @@ def main() -> None:
     out: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_model(args.device, Path(tmp) / "model")
+        model_dir = save_model(SHAPES[args.device], Path(tmp) / "model")
         model = load_policy(model_dir, dtype, device)[0]
         batch = make_batch(model.config.vocab_size)
         out["params_M"] = sum(p.numel() for p in model.parameters()) / 1e6

@@ -43,15 +43,17 @@ QWEN = {  # Qwen2.5: hidden, layers, intermediate, heads, kv heads, vocab, tied
 ROWS, GROUP, PROMPT, RESPONSE = 16, 2, 32, 32
 
 
-def save_model(name: str, out: Path) -> Path:
+def save_model(shape: tuple[int, int, int, int, int], out: Path) -> Path:
+    """A random Llama of ``shape`` (hidden, layers, intermediate, heads, vocabulary; untied embeddings) and the
+    default character tokenizer, saved as a Hugging Face directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from vcpo.models.default import BASE_CHARACTERS, build_char_tokenizer
 
-    hidden, layers, inter, heads, vocab = MODELS[name]
+    hidden, layers, inter, heads, vocab = shape
     tokenizer = build_char_tokenizer(BASE_CHARACTERS)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=256,
+                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=1024,
                          tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     torch.manual_seed(0)
@@ -211,7 +213,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            model_dir = save_model(name, Path(tmp) / name)
+            model_dir = save_model(MODELS[name], Path(tmp) / name)
             for world in (int(w) for w in args.world.split(",")):
                 for row in measure(name, world, model_dir, Path(tmp)):
                     rows.append({"model": name} | row)

@@ -11,7 +11,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from test_micro_batches import MODEL, make_batch
@@ -21,7 +20,7 @@ from vcpo.train.data_parallel import init_process_group
 from vcpo.train.learner import Learner
 from vcpo.train.sharding import ShardedLearner, load_sharded, load_sharded_whole, save_sharded, shard_model
 
-from conftest import free_port
+from conftest import run_ranks
 
 pytest.importorskip("peft")
 
@@ -100,34 +99,21 @@ def _rank(rank: int, world_size: int, port: int, results: str, tmp: str) -> None
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, tmp_path_factory) -> dict:
-    ctx = mp.get_context("spawn")
+def sharded_ranks(world_size: int, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp(f"ranks{world_size}")
     results = str(tmp / "rank0.pt")
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world_size, port, results, str(tmp)), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=400)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        return torch.load(results) | {"dir": tmp}
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    run_ranks(_rank, world_size, results, str(tmp))
+    return torch.load(results) | {"dir": tmp}
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
-    return run_ranks(2, tmp_path_factory)
+    return sharded_ranks(2, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> dict:
-    return run_ranks(4, tmp_path_factory)
+    return sharded_ranks(4, tmp_path_factory)
 
 
 def check_same_step(name: str, sharded: tuple) -> None:

@@ -247,6 +247,10 @@ class Learner:
         """A batch-coupled objective over micro-batches: the objective once on the whole batch's detached log-probs
         gives ``coef = dL/dlp``; each micro-batch then backpropagates ``sum coef * lp`` (exact for any objective)."""
         parts = [self.part(trim_padding(batch.rows(rows)), rows, _rows_of(adv_B, rows), False) for rows in plan]
+        return parts, self.coupled_backward(batch, parts)
+
+    def coupled_backward(self, batch: Batch, parts: list[_Part]) -> ObjectiveOutput:
+        """``two_pass``'s second pass over its forward-only ``parts``; returns the objective on the whole batch."""
         B, S = batch.input_ids_BS.shape
         lp_leaf_BS = self.gather_rows([(p.rows, p.lp_bS) for p in parts], B, S).requires_grad_()
         out = self.objective(self.inputs(batch, lp_leaf_BS, self.gather_rows([(p.rows, p.adv_b) for p in parts], B)),
@@ -259,7 +263,7 @@ class Learner:
             self.optimizer.accumulate()
         if self.single_backward:  # the captures gave the norms only
             parts[0].metrics["opob/second_backward"] = 1.0
-        return parts, out
+        return out
 
     def gather_rows(self, parts: list[tuple[Tensor, Tensor]], B: int, S: int | None = None) -> Tensor:
         """The whole batch's [B] (or [B, S]) tensor from the parts' rows: the seam where data-parallel ranks

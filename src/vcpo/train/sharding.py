@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Partial
 from vcpo.config import Config, ConfigError
 from vcpo.models.loading import DTYPES, load_policy
 from vcpo.models.lora import apply_lora_config
+from vcpo.objectives import ObjectiveOutput
 from vcpo.train.data_parallel import DataParallelLearner
 from vcpo.train.learner import _Part, _rows_of
 from vcpo.train.micro_batches import WholeBatch, trim_padding
@@ -176,25 +177,15 @@ class ShardedLearner(DataParallelLearner):
             self.idle_pass(spare, backward=True)
         return parts
 
-    def two_pass(self, batch: Batch, plan: list[Tensor], adv_B: Tensor | None):
+    def two_pass(self, batch: Batch, plan: list[Tensor], adv_B: Tensor | None) -> tuple[list[_Part], ObjectiveOutput]:
         """``Learner.two_pass`` with idle passes, so that every rank runs as many forwards, then as many backwards."""
         idle, spare = self.idle_count(plan), trim_padding(batch.rows(plan[0][:1]))
         parts = [self.part(trim_padding(batch.rows(rows)), rows, _rows_of(adv_B, rows), False) for rows in plan]
         for _ in range(idle):
             self.idle_pass(spare, backward=False)
-        B, S = batch.input_ids_BS.shape
-        lp_leaf_BS = self.gather_rows([(p.rows, p.lp_bS) for p in parts], B, S).requires_grad_()
-        out = self.objective(self.inputs(batch, lp_leaf_BS, self.gather_rows([(p.rows, p.adv_b) for p in parts], B)),
-                             **self.objective_kwargs)
-        (coef_BS,) = torch.autograd.grad(out.loss, lp_leaf_BS)
-        coef_BS = torch.where(batch.response_mask_BS.bool(), coef_BS, torch.zeros_like(coef_BS))
-        for p in parts:
-            lp_bS = self.logprobs(p.batch)
-            (coef_BS[p.rows, : lp_bS.shape[1]] * lp_bS).sum().backward()
+        out = self.coupled_backward(batch, parts)
         for _ in range(idle):
             self.logprobs(spare).sum().mul(0.0).backward()
-        if self.single_backward:
-            parts[0].metrics["opob/second_backward"] = 1.0
         return parts, out
 
 
