@@ -117,7 +117,7 @@ def learner_rank(spec: RankSpec, conn: Connection, mirror: dict[str, torch.Tenso
                 metrics = learner.step(batch)
                 t0 = time.perf_counter()
                 _publish(learner, mirror, spec.rank)
-                answer: Any = (metrics | {"time/weight_publish_s": time.perf_counter() - t0}, learner.skip_reason)
+                answer: Any = (metrics | {"time/weight_gather_s": time.perf_counter() - t0}, learner.skip_reason)
             elif request == "save":
                 save_sharded(learner.model, learner.optimizer, args[0])
                 answer = None

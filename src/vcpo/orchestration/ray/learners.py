@@ -66,9 +66,9 @@ class LearnerActor:
         return node_id()
 
     @ray.method(concurrency_group="step")
-    def join(self, address: str, port: int, initial: list) -> None:
-        """Join the group; a sharded rank builds its model then, from the driver's weights ``[ref]`` (rank 0 reads
-        them)."""
+    def join(self, address: str, port: int, initial: list | None = None) -> None:
+        """Join the group; a sharded rank builds its model then, from the driver's weights ``initial`` (``[ref]``,
+        which rank 0 reads)."""
         from vcpo.train.data_parallel import DataParallelLearner, init_process_group
         from vcpo.train.learner import Learner
 
@@ -97,11 +97,14 @@ class LearnerActor:
             self.learner.version = version
 
     @ray.method(concurrency_group="step")
-    def step(self, batch: Batch, lr: float, version: int) -> tuple[dict[str, float], list | None, str | None]:
-        """One optimizer step from ``version`` on the global batch at learning rate ``lr`` (before the ESS scale;
-        skipped on every rank alike when a global statistic is not finite); rank 0 also returns [ref] of the new
-        weights in the store (sharded: a ref per layer)."""
-        self.learner.lr, self.learner.version = lr, version
+    def step(self, batch: Batch, lr: float, version: int | None = None) -> tuple[dict[str, float], list | None,
+                                                                                 str | None]:
+        """One optimizer step from ``version`` (None: the rank's own) on the global batch at learning rate ``lr``
+        (before the ESS scale; skipped on every rank alike when a global statistic is not finite); rank 0 also returns
+        [ref] of the new weights in the store (sharded: a ref per layer)."""
+        self.learner.lr = lr
+        if version is not None:
+            self.learner.version = version
         metrics = self.learner.step(batch)
         t0 = time.perf_counter()
         if self.sharded:
