@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -201,10 +202,10 @@ class _ShardedState:
     def __init__(self, group: LearnerGroup) -> None:
         self.group = group
 
-    def save_sharded(self, path) -> None:
+    def save_sharded(self, path: str | Path) -> None:
         self.group._call([a.save_sharded.remote(str(path)) for a in self.group.actors], "the sharded checkpoint")
 
-    def load_sharded(self, path) -> None:
+    def load_sharded(self, path: str | Path) -> None:
         refs = self.group._call([a.load_sharded.remote(str(path)) for a in self.group.actors],
                                 "loading the sharded checkpoint")[0]
         self.group.mirror(refs)
