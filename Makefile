@@ -13,7 +13,7 @@ INSTALL = test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
 
 comma := ,
 
-.PHONY: test lint unit venv clean demo lock lock-vllm test-vllm
+.PHONY: test lint unit venv clean demo lock lock-vllm test-vllm lock-verl test-verl
 
 venv: $(VENV)/.test
 
@@ -51,7 +51,7 @@ lock:
 	rm -rf .lockenv && $(PYTHON) -m venv .lockenv && .lockenv/bin/pip install --quiet pip-tools==7.6.2
 	.lockenv/bin/pip-compile --quiet --strip-extras --no-emit-index-url --no-emit-find-links --find-links /opt/wheels \
 		-c requirements/torch.txt --unsafe-package torch --unsafe-package vcpo --extra dev --extra ray --extra serve --extra parquet \
-		--extra lora --extra tensorboard -o $(LOCK) pyproject.toml
+		--extra lora --extra tensorboard --extra wandb --extra mlflow --extra trackio --extra trl -o $(LOCK) pyproject.toml
 	rm -rf .lockenv
 
 # The tier against a real vLLM (tests/with_vllm, docs/server.md): its own environment with the pinned CPU build of vLLM.
@@ -84,5 +84,34 @@ lock-vllm:
 test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/pytest -p no:cacheprovider tests/with_vllm
 
+# The tier against a real verl (tests/with_verl, docs/integrations.md): its own environment, since verl 0.9.1 pins
+# transformers >=5.5.3,<5.11 where requirements/lock.txt has 5.24. The CPU build of torch first; on the CPU only
+# verl.trainer.ppo.core_algos and DataProto are used. Every version pinned by requirements/verl-lock.txt
+# (`make lock-verl` re-resolves it).
+VERL_VENV := .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed
+VERL_LOCK := requirements/verl-lock.txt
+# $(1): the environment; $(2): pip's constraint options (none when resolving the lock).
+VERL_INSTALL = test -x $(1)/bin/python || $(PYTHON) -m venv $(1); \
+	$(1)/bin/pip install --quiet --disable-pip-version-check pip==26.3 && \
+	$(1)/bin/pip install --quiet --disable-pip-version-check $(2) torch==2.13.0 verl==0.9.1 && \
+	$(1)/bin/pip install --quiet --disable-pip-version-check $(2) -e . pytest && \
+	$(1)/bin/python -c "import verl.trainer.ppo.core_algos, vcpo"
+
+$(VERL_STAMP): pyproject.toml $(VERL_LOCK)
+	$(call VERL_INSTALL,$(VERL_VENV),-c $(VERL_LOCK))
+	$(VERL_VENV)/bin/python requirements/check_lock.py $(VERL_LOCK)
+	touch $(VERL_STAMP)
+
+# Re-resolve requirements/verl-lock.txt: a fresh environment as above without constraints, frozen.
+lock-verl:
+	rm -rf .lockenv-verl
+	$(call VERL_INSTALL,.lockenv-verl,)
+	{ sed -n '1,3p' $(VERL_LOCK); .lockenv-verl/bin/pip freeze --exclude-editable | grep -v '^torch=='; } > $(VERL_LOCK).new
+	mv $(VERL_LOCK).new $(VERL_LOCK) && rm -rf .lockenv-verl
+
+test-verl: $(VERL_STAMP)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VERL_VENV)/bin/pytest -p no:cacheprovider tests/with_verl
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .lockenv .lockenv-vllm .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .lockenv .lockenv-vllm .lockenv-verl .pytest_cache .ruff_cache

@@ -1,9 +1,11 @@
-"""Learner-step cost of OPOB: GRPO vs VCPO with exact per-row norms vs VCPO with fast norms.
+"""Learner-step cost of OPOB: GRPO against VCPO with fast per-row norms and with the logit proxy, each OPOB
+variant (plugin, grad_only, leave_one_out), and with exact per-row norms when asked (``--arms``).
 
-Runs the three learner steps on the same batch, interleaved round-robin so that machine drift
-hits all three alike, and reports the median step time, its ratio to GRPO's, the median of the
-per-round ratios ("paired x": robust to drift slower than one round) and the peak memory of each;
-the last line is ``vcpo_fast/grpo step-time ratio: X.XX`` (the ratio of the medians).
+Runs the learner steps on the same batch, interleaved round-robin so that machine drift hits every arm alike, and
+reports the median step time, its ratio to GRPO's, the median of the per-round ratios ("paired x": robust to drift
+slower than one round) and the peak memory of each (CUDA: the allocator's peak above the level before the step;
+CPU: the resident-set rise of a step, in forked processes); the last lines are ``ARM/grpo step-time ratio: X.XX``
+(the ratio of the medians) for the fast and proxy arms. ``--json PATH`` writes every figure.
 
     python benchmarks/step_overhead.py            # default model + a larger random configuration
     python benchmarks/step_overhead.py --quick    # fewer repeats, under 2 minutes on 2 CPU cores
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import multiprocessing
 import statistics
 import threading
@@ -70,21 +73,32 @@ SETUPS = {
     "qwen05b_1k": Setup("qwen05b_1k", 896, 24, 14, 4864, 151936, 8, 8, 256, 768, kv_heads=2),
 }
 
+_VCPO = ["objective.name=vcpo", "advantage.estimator=opob"]
 ARMS = {
     "grpo": ["objective.name=grpo", "advantage.estimator=grpo", "trainer.ess_lr.enabled=false"],
-    "vcpo_exact": ["objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=exact"],
-    "vcpo_fast": ["objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=fast"],
+    "vcpo_exact": [*_VCPO, "advantage.grad_norm_method=exact"],
+    **{f"vcpo_{method}{'' if variant == 'plugin' else '_' + variant}": [
+        *_VCPO, f"advantage.grad_norm_method={'fast' if method == 'fast' else 'logit_proxy'}",
+        f"advantage.opob_variant={variant}"]
+       for method in ("fast", "proxy") for variant in ("plugin", "grad_only", "leave_one_out")},
 }
+"""grpo; vcpo with exact norms; vcpo_fast / vcpo_proxy (the logit proxy), each with the paper's plug-in OPOB and
+its _grad_only and _leave_one_out variants."""
+DEFAULT_ARMS = ["grpo", "vcpo_fast", "vcpo_fast_grad_only", "vcpo_fast_leave_one_out", "vcpo_proxy",
+                "vcpo_proxy_grad_only", "vcpo_proxy_leave_one_out"]
 
 
 def build_model(s: Setup, device: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The setup's random Llama (tied embeddings), initialised on ``device`` itself (a 0.5B model's random
+    initialisation takes seconds on a GPU, minutes on a CPU core)."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
         num_key_value_heads=s.kv_heads or s.heads, intermediate_size=s.intermediate, tie_word_embeddings=True,
         max_position_embeddings=max(512, s.prompt_len + s.response_len),
     )
-    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(cfg).to(dtype=dtype).eval()
 
 
 def build_batch(s: Setup, model: torch.nn.Module, device: str, equal_groups: float = 0.0) -> Batch:
@@ -109,8 +123,8 @@ def build_batch(s: Setup, model: torch.nn.Module, device: str, equal_groups: flo
                                        SamplingParams()))
     b = Batch.from_trajectories(trajectories, pad_id=0)
     b = Batch(**{k: v.to(device) for k, v in b.__dict__.items()})
-    with torch.no_grad():
-        lp_BS = token_logprobs(model, b.input_ids_BS, b.attention_mask_BS)
+    with torch.no_grad():  # the response tokens only (the lean path on large batches: no [B, S, V] logits)
+        lp_BS = token_logprobs(model, b.input_ids_BS, b.attention_mask_BS, positions=b.response_mask_BS)
     noise_BS = 0.3 * torch.randn(lp_BS.shape, generator=g).to(device)
     b.behavior_logprobs_BS = torch.where(b.response_mask_BS.bool(), lp_BS + noise_BS, 0.0)
     return b
@@ -166,11 +180,13 @@ def upcast_factors() -> contextlib.AbstractContextManager:
 
 
 def measure(s: Setup, device: str, repeats: int, warmup: int, equal_groups: float,
-            dtype: torch.dtype = torch.float32, compare_upcast: bool = False) -> dict[str, dict[str, float]]:
+            dtype: torch.dtype = torch.float32, compare_upcast: bool = False,
+            arm_names: list[str] | None = None) -> dict[str, dict[str, float]]:
     """Median and min step time per arm, round-robin on one batch; on CUDA also the allocator's peak."""
     model = build_model(s, device, dtype)
     batch = build_batch(s, model, device, equal_groups)
-    arms = {**ARMS, UPCAST_ARM: ARMS["vcpo_fast"]} if compare_upcast else ARMS
+    arms = {arm: ARMS[arm] for arm in arm_names or DEFAULT_ARMS}
+    arms = {**arms, UPCAST_ARM: ARMS["vcpo_fast"]} if compare_upcast else arms
     learners = {arm: Learner(copy.deepcopy(model), load_config(None, overrides)) for arm, overrides in arms.items()}
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     peaks: dict[str, float] = dict.fromkeys(arms, 0.0)
@@ -207,13 +223,14 @@ def _cpu_peak_rise(s: Setup, arm: str, threads: int, equal_groups: float, dtype:
     return mem.mib
 
 
-def cpu_peak_memory(s: Setup, threads: int, equal_groups: float, dtype: torch.dtype) -> dict[str, float]:
+def cpu_peak_memory(s: Setup, threads: int, equal_groups: float, dtype: torch.dtype,
+                    arms: list[str]) -> dict[str, float]:
     """Each arm's step working set on the CPU, measured apart from the timings: in a forked process that keeps
     glibc's default allocator, which returns large freed blocks, so the RSS rise during a step is what the step
     allocates (the timing process keeps freed memory for reuse, so its RSS would not move)."""
     ctx = multiprocessing.get_context("fork")
     result = {}
-    for arm in ARMS:
+    for arm in arms:
         with ctx.Pool(1) as pool:
             result[arm] = pool.apply(_cpu_peak_rise, (s, arm, threads, equal_groups, dtype))
     return result
@@ -253,7 +270,13 @@ def main() -> None:
                          "row needs one; the staleness study's training batches had about 0.5)")
     ap.add_argument("--profile", default=None, metavar="ARM", choices=list(ARMS),
                     help="print torch.profiler's table of one step of this arm (per setup) instead of timing")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                    help=f"comma-separated, grpo first, from {', '.join(ARMS)}")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     args = ap.parse_args()
+    arm_names = args.arms.split(",")
+    if arm_names[0] != "grpo" or any(arm not in ARMS for arm in arm_names):
+        ap.error(f"--arms: grpo first, then any of {', '.join(ARMS)}; got {args.arms}")
     if not 0.0 <= args.equal_reward_groups <= 1.0:
         ap.error(f"--equal-reward-groups must be in [0, 1], got {args.equal_reward_groups}")
     eq = args.equal_reward_groups
@@ -266,30 +289,42 @@ def main() -> None:
             profile_step(SETUPS[name], args.profile, args.device, dtype, eq)
         return
     # Memory first, in forked processes that keep the default allocator (see cpu_peak_memory).
-    memory = ({name: cpu_peak_memory(SETUPS[name], args.threads, eq, dtype) for name in names}
+    memory = ({name: cpu_peak_memory(SETUPS[name], args.threads, eq, dtype, arm_names) for name in names}
               if args.device == "cpu" else {})
     configure_cpu(args.threads)  # threads, flushed denormals, allocator: as the trainer does
     print(f"device={args.device} dtype={args.dtype} threads={args.threads} torch={torch.__version__} "
           f"repeats={repeats} equal-reward groups={eq:g}")
-    ratio = None
+    ratios: dict[str, float] = {}
+    figures: dict[str, dict] = {}
     for name in names:
         s = SETUPS[name]
-        params = sum(p.numel() for p in build_model(s, "cpu").parameters())
+        params = sum(p.numel() for p in build_model(s, "meta").parameters())
         res = measure(s, args.device, repeats, warmup=2, equal_groups=eq, dtype=dtype,
-                      compare_upcast=args.compare_upcast)
+                      compare_upcast=args.compare_upcast, arm_names=arm_names)
         for arm, mib in memory.get(name, {}).items():
             res[arm]["peak_mib"] = mib
         print(f"\nsetup {name}: {params / 1e6:.2f}M params, B={s.prompts * s.group}, "
               f"prompt {s.prompt_len}, response <= {s.response_len}")
-        print(f"{'arm':<12}{'median step (s)':>17}{'min (s)':>10}{'peak mem (MiB)':>16}{'x grpo':>9}"
-              f"{'paired x':>10}")
+        print(f"{'arm':<26}{'median step (s)':>17}{'min (s)':>10}{'peak mem (MiB)':>16}{'x grpo':>9}"
+              f"{'paired x':>10}{'mem x grpo':>12}")
         for arm, r in res.items():
-            x = r["median_s"] / res["grpo"]["median_s"]
-            print(f"{arm:<12}{r['median_s']:>17.4f}{r['min_s']:>10.4f}{r['peak_mib']:>16.1f}{x:>9.2f}"
-                  f"{r['paired_x']:>10.2f}")
+            r["x"] = r["median_s"] / res["grpo"]["median_s"]
+            r["mem_x"] = r["peak_mib"] / res["grpo"]["peak_mib"] if res["grpo"]["peak_mib"] > 0 else float("nan")
+            print(f"{arm:<26}{r['median_s']:>17.4f}{r['min_s']:>10.4f}{r['peak_mib']:>16.1f}{r['x']:>9.2f}"
+                  f"{r['paired_x']:>10.2f}{r['mem_x']:>12.2f}")
+        figures[name] = {"params": params, "rows": s.prompts * s.group, **res}
         if name == names[0]:
-            ratio = res["vcpo_fast"]["median_s"] / res["grpo"]["median_s"]
-    print(f"\nvcpo_fast/grpo step-time ratio: {ratio:.2f}")
+            ratios = {arm: r["x"] for arm, r in res.items() if arm != "grpo"}
+    if args.json:
+        meta = {"device": args.device, "dtype": args.dtype, "torch": torch.__version__, "repeats": repeats,
+                "equal_reward_groups": eq}
+        if args.device.startswith("cuda"):
+            meta["gpu"] = torch.cuda.get_device_name()
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "setups": figures}, f, indent=2)
+    print()
+    for arm, x in ratios.items():
+        print(f"{arm}/grpo step-time ratio: {x:.2f}")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,8 @@ def pytest_xdist_make_scheduler(config, log):
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
+            if Path(module).parent.name == "gpu":  # no module-scoped state: each test on any worker
+                return nodeid
             return "ray" if Path(module).stem in RAY_MODULES else module
 
     return ModuleScheduling(config, log)

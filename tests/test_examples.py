@@ -101,3 +101,13 @@ def test_own_loop_uses_stale_behaviour_log_probs_opob_and_the_ess_learning_rate(
         baseline = (torch.exp(2 * logw) * G * R).sum() / (torch.exp(2 * logw) * G).sum()
         assert torch.allclose(R - A * R.std(unbiased=False), baseline.expand_as(R), atol=1e-5)
         assert abs(float(baseline - R.mean())) > 1e-6
+
+
+def test_trl_example_trains_and_cuts_the_lr_of_each_reused_step():
+    spec = importlib.util.spec_from_file_location("trl_vcpo", EXAMPLES / "trl_vcpo.py")
+    trl_vcpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trl_vcpo)
+    logs = trl_vcpo.main(steps=4)
+    assert [line["step"] for line in logs] == [1, 2, 3, 4]
+    assert all(math.isfinite(line["loss"]) for line in logs)
+    assert logs[1]["ess/ratio"] < 1.0 and logs[1]["lr_scale"] < 1.0 and logs[0]["lr_scale"] == 1.0

@@ -1,21 +1,27 @@
-"""Health alarms (issue 26): each rule on hand-made metric streams, the monitor's checkpointed state, and through the
-real command line: the lr = 1e3 run warns within 5 steps, `trainer.on_alarm=stop` exits 3 with a checkpoint of the
-last step no rule flagged, and `rollback` recovers a run whose gradient turns NaN while the learning rate is high."""
+"""Health alarms (issues 26, 35): each rule on hand-made metric streams of its failure, the monitor's checkpointed
+state, and through the real command line: runs pushed over the edge in several ways (learning rates 1e1 to 1e4, a
+NaN gradient, rewards forced to 0, a sampler forced to uniform) each raise an alarm within 5 steps, whatever way
+this CPU diverges, `trainer.on_alarm=stop` exits 3 keeping only checkpoints no alarm suspects, the summary says a
+run ended worse than it started, and `rollback` recovers a run whose gradient turns NaN while the learning rate is
+high."""
 
 from __future__ import annotations
 
 import json
 import math
 
+import pytest
+
 from vcpo.config import HealthConfig
 from vcpo.errors import HealthAlarm
-from vcpo.train.alarms import RULES, HealthMonitor
+from vcpo.train.alarms import RULES, HealthMonitor, accuracy_verdict
 
 from conftest import LAGGED, metrics, vcpo
 
 
 def _line(step: int, **values) -> dict:
-    base = {"step": step, "reward/mean": 0.5, "ess/ratio": 0.9, "grad_norm": 1.0, "response/logprob_mean": -0.6,
+    base = {"step": step, "reward/mean": 0.5, "reward/std": 0.5, "batch/groups": 16.0, "ess/ratio": 0.9,
+            "grad_norm": 1.0, "response/logprob_mean": -0.6, "reward/zero_var_group_frac": 0.25,
             "skipped_step": 0.0}
     return base | values
 
@@ -81,6 +87,95 @@ def test_accuracy_fall_needs_consecutive_evaluations_beyond_their_noise():
     assert _feed(HealthMonitor(HealthConfig()), evals([0.0625, 0.0, 0.0, 0.0], 16)) == [[]] * 3  # 1 of 16, then 0
 
 
+def test_a_policy_turned_uniform_fires_on_its_entropy_near_ln_v_or_far_above_the_first_step():
+    # a 103-token vocabulary: ln 103 = 4.635; 0.9 x 4.635 = 4.171. The issue's run: 0.69 at step 1, 4.635 from step 2
+    uniform = {"response/logprob_mean": -4.635}
+    fired = _feed(HealthMonitor(HealthConfig(), vocab_size=103), [_line(1, **{"response/logprob_mean": -0.69}),
+                                                                  _line(2, **uniform), _line(3, **uniform)])
+    assert fired == [[], [], ["uniform_policy"]]
+    monitor = HealthMonitor(HealthConfig(), vocab_size=103)
+    _feed(monitor, [_line(1, **{"response/logprob_mean": -0.69}), _line(2, **uniform)])
+    (alarm,) = monitor.observe(_line(3, **uniform))
+    assert alarm.last_good == 0  # step 2's rollouts came from step 1's weights: those are already suspect
+    assert "sampled-token entropy 4.63 nats (100% of a uniform policy's) against 0.69" in alarm.line()
+    # a sampler uniform from the start: no rise, but at ln V from step 1
+    assert _feed(HealthMonitor(HealthConfig(), vocab_size=103), [_line(1, **uniform), _line(2, **uniform)]) == [
+        [], ["uniform_policy"]]
+    # without a vocabulary size, a rise of more than 1 nat (0.6 -> 1.7) for 2 steps; a rise of 0.9 is not one
+    rise = [_line(1), _line(2, **{"response/logprob_mean": -1.7}), _line(3, **{"response/logprob_mean": -1.7})]
+    assert _feed(HealthMonitor(HealthConfig()), rise) == [[], [], ["uniform_policy"]]
+    mild = [_line(s, **{"response/logprob_mean": -0.6 - 0.9 * (s > 1)}) for s in range(1, 8)]
+    assert _feed(HealthMonitor(HealthConfig(), vocab_size=103), mild) == [[]] * 7
+    # a large vocabulary's healthy entropy (2 nats of ln 151936 = 11.9) is far from uniform
+    big = [_line(s, **{"response/logprob_mean": -2.0}) for s in range(1, 8)]
+    assert _feed(HealthMonitor(HealthConfig(), vocab_size=151936), big) == [[]] * 7
+
+
+def test_no_signal_fires_when_every_group_ties_and_nothing_moves_for_its_streak():
+    silent = {"reward/mean": 0.0, "reward/std": 0.0, "reward/zero_var_group_frac": 1.0, "grad_norm": 0.0}
+    fired = _feed(HealthMonitor(HealthConfig(reward_floor=1.0)), [_line(1), _line(2)] + [
+        _line(s, **silent) for s in range(3, 7)])
+    assert fired == [[], [], [], [], ["no_signal"], ["no_signal"]]
+    monitor = HealthMonitor(HealthConfig(reward_floor=1.0))
+    _feed(monitor, [_line(1), _line(2), _line(3, **silent), _line(4, **silent)])
+    (alarm,) = monitor.observe(_line(5, **silent))
+    assert alarm.last_good == 1 and "no learning signal" in alarm.line()
+    # tied groups with a gradient (another objective's term), or a gradient of 0 with varied rewards: not silent
+    assert _feed(HealthMonitor(HealthConfig()), [_line(s, **(silent | {"grad_norm": 0.3})) for s in range(1, 6)]
+                 )[-1] != ["no_signal"]
+    assert _feed(HealthMonitor(HealthConfig()), [_line(s, grad_norm=0.0) for s in range(1, 6)]) == [[]] * 5
+
+
+def test_reward_collapse_also_fires_early_against_the_first_step_beyond_noise():
+    # step 1: 0.367 (std 0.482 over 16 groups, each one sample: se 0.1205); then 0.004 a step (se 0.0155): the mean
+    # of 3 steps 0.004 < 0.5 x 0.367, and 0.363 > 2 sqrt(0.1205^2 + 3 x 0.0155^2 / 9) = 0.242
+    lines = [_line(1, **{"reward/mean": 0.367, "reward/std": 0.482})] + [
+        _line(s, **{"reward/mean": 0.004, "reward/std": 0.062}) for s in range(2, 6)]
+    monitor = HealthMonitor(HealthConfig())
+    assert _feed(monitor, lines) == [[], [], [], ["reward_collapse"], ["reward_collapse"]]
+    assert monitor.counts["reward_collapse"] == 2
+    monitor = HealthMonitor(HealthConfig())
+    _feed(monitor, lines[:3])
+    (alarm,) = monitor.observe(lines[3])
+    assert alarm.last_good == 0 and "the first step's 0.367 (beyond two standard errors, 0.242)" in alarm.line()
+    # the same fall over 4 groups a step is within noise (se 0.241, noise 0.48); a start below reward_floor never
+    # counts
+    noisy = [line | {"batch/groups": 4.0} for line in lines]
+    assert _feed(HealthMonitor(HealthConfig()), noisy) == [[]] * 5
+    low = [_line(1, **{"reward/mean": 0.04, "reward/std": 0.2})] + [
+        _line(s, **{"reward/mean": 0.0, "reward/std": 0.0}) for s in range(2, 6)]
+    assert _feed(HealthMonitor(HealthConfig(no_signal_steps=99)), low) == [[]] * 5
+    # a healthy stream that wanders around its start never fires
+    wander = [_line(s, **{"reward/mean": 0.35 + 0.1 * math.sin(s), "reward/std": 0.48}) for s in range(1, 60)]
+    assert _feed(HealthMonitor(HealthConfig()), wander) == [[]] * 59
+
+
+def test_accuracy_fall_at_the_final_evaluation_needs_no_streak_but_noise_still_counts():
+    first = _line(1, **{"eval/accuracy_initial": 0.26, "eval/problems": 50})
+    fell = _line(30, **{"eval/accuracy": 0.0, "eval/problems": 50})
+    monitor = HealthMonitor(HealthConfig())
+    monitor.observe(first)
+    (alarm,) = monitor.observe(fell, final=True)
+    assert alarm.rule == "accuracy_fall" and alarm.last_good == 0 and "at the final evaluation" in alarm.line()
+    monitor = HealthMonitor(HealthConfig())
+    monitor.observe(first)
+    assert monitor.observe(fell) == []  # a single low evaluation mid-run waits for the next
+    # 1 of 16 right, then none, at the final evaluation: within 2 sqrt(0.0625 x 0.9375 / 16) = 0.121
+    monitor = HealthMonitor(HealthConfig())
+    monitor.observe(_line(1, **{"eval/accuracy_initial": 0.0625, "eval/problems": 16}))
+    assert monitor.observe(_line(8, **{"eval/accuracy": 0.0, "eval/problems": 16}), final=True) == []
+
+
+def test_the_accuracy_verdict_says_worse_better_or_within_noise():
+    # 0.26 -> 0 on 50 problems: 2 sqrt((0.26 x 0.74 + 0) / 50) = 0.124
+    worse = accuracy_verdict(0.26, 0.0, 50)
+    assert worse["verdict"] == "worse" and worse["accuracy_change"] == -0.26
+    assert math.isclose(worse["accuracy_noise"], 2 * math.sqrt(0.26 * 0.74 / 50))
+    assert accuracy_verdict(0.338, 0.378, 500)["verdict"] == "unchanged"  # noise 0.060
+    assert accuracy_verdict(0.30, 0.40, 500)["verdict"] == "better"
+    assert accuracy_verdict(None, 0.4, 50) == {"verdict": "unknown"}
+
+
 def test_the_monitor_state_survives_a_checkpoint_and_a_rollback_keeps_the_totals():
     dead = {"grad_norm": 0.0, "response/logprob_mean": 0.0}
     monitor = HealthMonitor(HealthConfig())
@@ -94,25 +189,96 @@ def test_the_monitor_state_survives_a_checkpoint_and_a_rollback_keeps_the_totals
                                  "lr_factor": 0.5}
 
 
-LR_1E3 = ["async.mode=sync", "trainer.lr=1e3", "trainer.max_steps=12"]
-"""The issue's run, on the tiny quickstart (its SFT warm start, batches and evaluations cut short)."""
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory) -> list[str]:
+    """The quickstart with its full SFT warm start (held-out accuracy about 0.3), synchronous, 64 samples a step,
+    50 evaluation problems at the start and the end: a run healthy enough that a collapse is beyond noise."""
+    cache = tmp_path_factory.mktemp("warm")
+    return ["-c", "configs/quickstart.yaml", f"sft.cache_dir={cache}", "rollout.prompts_per_step=8",
+            "rollout.group_size=8", "rollout.max_new_tokens=6", "task.eval_size=50", "trainer.eval_every=0",
+            "logging.progress=false", "async.mode=sync", "trainer.max_steps=8"]
 
 
-def test_lr_1e3_warns_within_5_steps_and_stop_exits_3_with_the_last_healthy_checkpoint(tmp_path, tiny):
-    run = tmp_path / "warn"
-    proc = vcpo("train", *tiny, *LR_1E3, f"run_dir={run}", check=False)
-    lines = metrics(run)
-    first = next(m["step"] for m in lines if any(v for k, v in m.items() if "alarm" in k))
-    assert first <= 5, proc.stderr
-    assert f"health alarm at step {first}: " in proc.stderr
-    run = tmp_path / "stop"
-    proc = vcpo("train", *tiny, *LR_1E3, f"run_dir={run}", "trainer.on_alarm=stop", check=False)
+def _program(patch: str) -> list[str]:
+    """``python -c`` arguments that apply ``patch`` (Python source), then run the command line."""
+    return ["-c", f"import sys\n{patch}\nfrom vcpo.cli import main\nsys.argv[0] = 'vcpo'\nmain()\n"]
+
+
+NAN_GRADIENT = """
+import math
+from vcpo.train.learner import Learner
+backward = Learner.backward
+def backward_with_a_nan(self, batch):
+    metrics = backward(self, batch)
+    if self.version >= 1:
+        next(p for p in self.model.parameters() if p.grad is not None).grad.view(-1)[0] = math.nan
+    return metrics
+Learner.backward = backward_with_a_nan
+"""
+ZERO_REWARDS_FROM_STEP_3 = """
+import dataclasses
+from vcpo.orchestration.local import SyncSource
+next_batch = SyncSource.next_batch
+def zeroed(self, learner_version):
+    batch = next_batch(self, learner_version)
+    return [dataclasses.replace(t, reward=0.0) for t in batch] if learner_version >= 2 else batch
+SyncSource.next_batch = zeroed
+"""
+UNIFORM_SAMPLER = """
+import torch
+import vcpo.rollout.engine as engine
+sample_next = engine.sample_next
+def uniform(logits_BV, sampling, generator=None, greedy=False):
+    return sample_next(logits_BV if greedy else torch.zeros_like(logits_BV), sampling, generator, greedy)
+engine.sample_next = uniform
+"""
+EDGES = {"lr_1e1": (["trainer.lr=1e1"], None), "lr_1e2": (["trainer.lr=1e2"], None),
+         "lr_1e3": (["trainer.lr=1e3"], None), "lr_1e4": (["trainer.lr=1e4"], None),
+         "nan_gradient": ([], NAN_GRADIENT), "zero_rewards_from_step_3": ([], ZERO_REWARDS_FROM_STEP_3),
+         "uniform_sampler": ([], UNIFORM_SAMPLER)}
+"""Ways to push a run over the edge: whichever way this CPU and BLAS diverge at a high learning rate (NaN, uniform
+or deterministic), each must raise an alarm."""
+
+
+@pytest.mark.parametrize("edge", list(EDGES))
+def test_a_run_pushed_over_the_edge_alarms_within_5_steps_and_stop_keeps_only_healthy_checkpoints(
+        tmp_path, warm, edge):
+    overrides, patch = EDGES[edge]
+    run = tmp_path / "run"
+    proc = vcpo("train", *warm, *overrides, f"run_dir={run}", "trainer.on_alarm=stop", "trainer.max_skipped_steps=9",
+                check=False, python=_program(patch) if patch else None)
     assert proc.returncode == HealthAlarm.EXIT_CODE == 3, proc.stderr
     stopped = metrics(run)[-1]["step"]
-    assert stopped <= 5 and (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped - 1:06d}"
+    assert stopped <= 5 and f"health alarm at step {stopped}: " in proc.stderr, proc.stderr
+    assert any(v for k, v in metrics(run)[-1].items() if "alarm" in k)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"].startswith("stopped: health alarm (") and sum(summary["alarms"].values()) >= 1
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: stopped at step {stopped}: health alarm")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: stopped at step {stopped}: health alarm")
+    if edge.startswith("lr_"):  # the stopped run is evaluated as it ends: broken weights, worse beyond noise
+        assert summary["verdict"] == "worse" and ", WORSE than before RL beyond noise (" in last, last
+    # what remains resumable is older than the evidence: step t's line judges the weights of step t - 1
+    ckpts = run / "checkpoints"
+    kept = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_") and "." not in p.name)
+    assert all(int(name.split("_")[1]) <= stopped - 2 for name in kept), (kept, proc.stderr)
+    latest = ckpts / "latest"
+    assert (latest.read_text().strip() == kept[-1]) if kept else not latest.exists()
+
+
+def test_the_issues_run_warns_and_its_summary_says_it_ended_worse(tmp_path, warm):
+    """lr = 1e3 with the default on_alarm=warn, run to its end: an alarm names what happened within 5 steps, the
+    final evaluation's fall is judged, and the last line and summary.json say the run got worse beyond noise."""
+    run = tmp_path / "run"
+    proc = vcpo("train", *warm, "trainer.lr=1e3", "trainer.max_steps=6", "trainer.max_skipped_steps=9",
+                f"run_dir={run}")
+    lines = metrics(run)
+    first = next(m["step"] for m in lines if any(v for k, v in m.items() if "alarm" in k))
+    assert first <= 5 and f"health alarm at step {first}: " in proc.stderr
+    assert "health alarm at step 6: accuracy_fall: " in proc.stderr and "at the final evaluation" in proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["verdict"] == "worse", summary
+    assert summary["accuracy_change"] < -summary["accuracy_noise"] < 0
+    assert ", WORSE than before RL beyond noise (" in proc.stderr.strip().splitlines()[-1]
 
 
 # A fault injected into the learner: from step 3 on, one gradient entry is NaN while the learning rate is above 6e-4

@@ -121,14 +121,21 @@ def test_servers_that_cannot_serve_the_adapters_are_refused(kind, rank, culprit)
                                                 f"rollout.server.kind={kind}", "rollout.server.urls=[http://x:1]"])
 
 
+@pytest.mark.parametrize("chunked_head", [False, True])
 @pytest.mark.parametrize(("dtype", "targets", "rtol"), [
     (torch.float64, "all-linear", 1e-10),
     (torch.float64, ["q_proj", "v_proj", "down_proj"], 1e-10),
     (torch.float32, "all-linear", 1e-4),
 ])
-def test_fast_grad_norms_equal_the_exact_per_row_ones_on_lora_layers(dtype, targets, rtol):
+def test_fast_grad_norms_equal_the_exact_per_row_ones_on_lora_layers(monkeypatch, dtype, targets, rtol, chunked_head):
     """G_b over the adapters only: sum over adapted layers of ||grad A_b||^2 + ||grad B_b||^2 (ghost_layers' linear
-    rule on peft's lora_A / lora_B), against one backward per row."""
+    rule on peft's lora_A / lora_B), against one backward per row; also with the frozen head run in vocabulary
+    chunks (the path large batches take), which then gives the body its gradient and no norm of its own."""
+    if chunked_head:
+        from vcpo.variance import ghost_head, logprobs
+
+        monkeypatch.setattr(logprobs, "LEAN_MIN_LOGITS", 0)
+        monkeypatch.setattr(ghost_head, "VOCAB_CHUNK", 7)
     model = apply_lora(tiny_llama(dtype), rank=4, alpha=8.0, target_modules=targets)
     randomise_adapters(model)
     model.to(dtype)  # peft keeps adapters in float32; the float64 check needs them in float64 too

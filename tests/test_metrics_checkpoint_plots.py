@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 
@@ -66,12 +65,6 @@ def test_truncate_metrics_keeps_steps_up_to_resume_point(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left
     assert truncate_metrics(tmp_path / "absent.jsonl", after_step=3) == 0
-
-
-@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
-def test_tensorboard_without_package_names_it(tmp_path):
-    with pytest.raises(MetricsError, match="'tensorboard' package"):
-        MetricsLogger(tmp_path, tensorboard=True)
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -119,6 +119,24 @@ def test_every_objective_with_opob_micro_batched_equals_full_batch(objective, me
                         f"advantage.grad_norm_method={method}"])
 
 
+@pytest.mark.parametrize("variant", ["plugin", "leave_one_out", "grad_only"])
+def test_the_chunked_head_learner_step_equals_exact_norms_full_and_micro_batched(monkeypatch, variant):
+    """The chunked-head capture (forced here; large batches take it) through Learner.backward: the VCPO update with
+    fast norms equals the one with exact per-row norms, on the whole batch and over micro-batches."""
+    from vcpo.variance import ghost_head, logprobs
+
+    monkeypatch.setattr(logprobs, "LEAN_MIN_LOGITS", 0)
+    monkeypatch.setattr(ghost_head, "VOCAB_CHUNK", 7)
+    monkeypatch.setattr(ghost_head, "CHUNK_LOGITS", 3 * 6 * 7)
+    arm = ["objective.name=vcpo", "advantage.estimator=opob", f"advantage.opob_variant={variant}"]
+    exact, m_exact, _ = step_grads([*arm, "advantage.grad_norm_method=exact"], None)
+    for budget in (None, BUDGET):
+        fast, m_fast, _ = step_grads([*arm, "advantage.grad_norm_method=fast"], budget)
+        assert m_fast["opob/grad_sq_norm_mean"] == pytest.approx(m_exact["opob/grad_sq_norm_mean"], rel=1e-5)
+        for ge, gf in zip(exact, fast, strict=True):
+            assert (gf - ge).norm().item() <= 1e-5 * ge.norm().item()
+
+
 def test_cli_lagged_run_micro_batched_equals_full_batch(tmp_path):
     """Issue 11's check: 5 lagged steps on the CPU with micro-batches of 64 tokens (four here) match the
     full-batch run's losses, gradient norms and rewards within 1e-5 relative."""

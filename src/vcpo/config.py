@@ -308,7 +308,8 @@ class ESSLRConfig(_Strict):
     """The ESS ratio at and above which the full trainer.lr applies (the paper uses 0.55 for tool use)."""
 
 
-AlarmRule = Literal["nonfinite", "dead_policy", "reward_collapse", "ess", "accuracy_fall"]
+AlarmRule = Literal["nonfinite", "dead_policy", "uniform_policy", "no_signal", "reward_collapse", "ess",
+                    "accuracy_fall"]
 
 
 class HealthConfig(_Strict):
@@ -324,6 +325,17 @@ class HealthConfig(_Strict):
     """... and the gradient norm (finite, before clipping) below this ..."""
     dead_steps: int = Field(3, ge=1)
     """... for this many steps in a row."""
+    uniform_frac: float = Field(0.9, gt=0, le=1)
+    """uniform_policy: the sampled tokens' mean negative log-prob at or above this fraction of ln(vocabulary size)
+    (a uniform policy's entropy) ..."""
+    entropy_rise: float = Field(1.0, gt=0)
+    """... or above its first step's level by more than this many nats per token (the largest rise in the staleness
+    study's 412 runs, collapsed ones included, was 0.25) ..."""
+    uniform_steps: int = Field(2, ge=1)
+    """... for this many steps in a row."""
+    no_signal_steps: int = Field(3, ge=1)
+    """no_signal: every group's rewards equal (``reward/zero_var_group_frac`` = 1) and the gradient norm below
+    ``dead_grad_norm``, this many steps in a row: nothing is learned."""
     reward_drop: float = Field(0.5, gt=0, lt=1)
     """reward_collapse: the training reward's ``reward_smooth``-step mean below (1 - this) x its best such mean."""
     reward_smooth: int = Field(25, ge=1)
@@ -331,6 +343,11 @@ class HealthConfig(_Strict):
     reward_floor: float = Field(0.05, ge=0)
     """reward_collapse judges a fall only once the best smoothed reward reaches this (a near-zero reward's noise
     is no collapse)."""
+    reward_fall_window: int = Field(3, ge=1)
+    """reward_collapse also fires, from the first step on, when the mean training reward of the last this many steps
+    is below (1 - ``reward_drop``) x the first step's reward (once that reaches ``reward_floor``) and below it by
+    more than two standard errors (each group one sample), up to step max(``warmup``, ``reward_smooth``): a run that
+    dies in its first steps never builds a smoothed best."""
     ess_below: float = Field(0.2, gt=0, le=1)
     """ess: the ESS ratio's ``ess_smooth``-step mean below this ..."""
     ess_smooth: int = Field(10, ge=1)
@@ -346,7 +363,7 @@ class HealthConfig(_Strict):
     accuracy_fall: float = Field(0.4, gt=0, lt=1)
     """accuracy_fall: held-out accuracy below this x its best so far (the evaluation before RL included) ..."""
     accuracy_evals: int = Field(2, ge=1)
-    """... at this many evaluations in a row."""
+    """... at this many evaluations in a row (one at the run's final evaluation)."""
 
 
 class TrainerConfig(_Strict):
@@ -584,10 +601,36 @@ class RuntimeConfig(_Strict):
 class LoggingConfig(_Strict):
     """What a run reports beside metrics.jsonl (always written)."""
 
-    tensorboard: bool = False
-    """Also write the metrics as TensorBoard events under {run_dir}/tensorboard (needs the tensorboard extra)."""
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = []
+    """Trackers that also receive every metrics.jsonl line (docs/trackers.md), each an extra of its name
+    (``pip install 'vcpo[wandb]'``): ``tensorboard`` (events under {run_dir}/tensorboard), ``wandb`` (files under
+    {run_dir}/wandb; ``WANDB_MODE=offline`` keeps them there for ``wandb sync``), ``mlflow`` (at
+    ``MLFLOW_TRACKING_URI``, else the SQLite store {run_dir}/mlflow.db), ``trackio`` (its local store). The old key
+    ``tensorboard: true`` still means ``[tensorboard]``."""
+    project: str = "vcpo"
+    """The W&B project, MLflow experiment and trackio project the run reports to."""
+    run_name: str | None = None
+    """The run's name in the trackers; None = the run directory's name."""
     progress: bool = True
     """Show a progress bar and warm-start messages on the terminal."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensorboard_key(cls, data: Any) -> Any:
+        """``tensorboard: true`` (the key before report_to) adds tensorboard to report_to; ``false`` is dropped."""
+        if isinstance(data, dict) and "tensorboard" in data:
+            data = dict(data)
+            if data.pop("tensorboard") is True:
+                reported = list(data.get("report_to") or [])
+                data["report_to"] = reported if "tensorboard" in reported else [*reported, "tensorboard"]
+        return data
+
+    @field_validator("report_to")
+    @classmethod
+    def _each_once(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"names a tracker twice: {v}")
+        return v
 
 
 class Config(_Strict):

@@ -1,19 +1,23 @@
 """The one metrics path (STYLE.md §7): flat namespaced dicts appended to ``run_dir/metrics.jsonl``.
 
-TensorBoard, when asked for, receives the same dicts; plots, reports and resume read only the JSONL.
+The trackers of ``logging.report_to`` (vcpo.trackers) receive the same dicts; plots, reports and resume read only
+the JSONL.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vcpo.errors import DiskError, UserError
+
+if TYPE_CHECKING:
+    from vcpo.trackers import MetricsSink
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -63,20 +67,14 @@ class MetricsLogger:
     """Appends one JSON object per optimizer step to ``run_dir/metrics.jsonl``, durably.
 
     Each line is flushed and fsync'ed before ``log`` returns, so a crash loses no finished line.
-    With ``tensorboard=True`` the same dict is also written as scalars under ``run_dir/tensorboard``
-    with the dict's ``step`` as the global step.
+    Then each of ``sinks`` (the trackers, ``vcpo.trackers.open_trackers``) gets the line's numbers, keyed as in
+    the line, with its ``step``; the sinks' owner closes them.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = False) -> None:
+    def __init__(self, run_dir: Path, sinks: Sequence[MetricsSink] = ()) -> None:
         run_dir = Path(run_dir)
         self.path = run_dir / METRICS_FILE
-        self._writer = None
-        if tensorboard:
-            if importlib.util.find_spec("tensorboard") is None:
-                raise MetricsError("logging.tensorboard=true needs the 'tensorboard' package (pip install tensorboard)")
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.sinks = list(sinks)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             if self.path.exists():
@@ -99,21 +97,17 @@ class MetricsLogger:
             os.fsync(self._file.fileno())
         except OSError as e:
             raise DiskError(self.path, e) from None
-        if self._writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self._writer.add_scalar(key, value, global_step=step)
-            self._writer.flush()
+        numbers = {key: value for key, value in record.items()
+                   if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)}
+        for sink in self.sinks:
+            sink.write(step, numbers)
 
     def close(self) -> None:
-        """Close the JSONL file and the TensorBoard writer; safe to call twice, and after a failed write."""
+        """Close the JSONL file; safe to call twice, and after a failed write."""
         try:
             self._file.close()
         except OSError:  # the buffered tail of a failed write: log() already raised for it
             pass
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -136,3 +136,38 @@ def test_checkpoint_written_on_cuda_resumes_on_the_cpu(tmp_path):
         assert torch.equal(a.cpu(), b)
     for a, b in zip(gpu.params, cpu.params, strict=True):
         assert torch.equal(a.cpu(), b)
+
+
+def test_the_engine_takes_a_generator_of_its_own_device_or_the_cpu():
+    model = copy.deepcopy(MODEL).to(CUDA)
+    engine = HFRolloutEngine(model, eos_id=1, pad_id=0)
+    prompts = [[5, 9, 33], [7, 3]]
+    for generator in (torch.Generator(CUDA).manual_seed(0), torch.Generator().manual_seed(0)):
+        again = copy.deepcopy(generator)
+        first = engine.generate(prompts, SamplingParams(max_new_tokens=6), generator=generator)
+        second = engine.generate(prompts, SamplingParams(max_new_tokens=6), generator=again)
+        assert [g.response_ids for g in first] == [g.response_ids for g in second]  # seeded: reproducible
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 5e-3)])
+def test_the_chunked_head_norms_and_update_on_cuda(monkeypatch, dtype, tolerance):
+    """The capture's head in vocabulary chunks (the path large batches take): norms equal to the exact ones, and a
+    VCPO step's update equal to the one with exact norms."""
+    from vcpo.variance import ghost_head
+
+    monkeypatch.setattr(L, "LEAN_MIN_LOGITS", 0)
+    monkeypatch.setattr(ghost_head, "VOCAB_CHUNK", 7)
+    model = copy.deepcopy(MODEL).to(device=CUDA, dtype=dtype)
+    b = BATCH.to(CUDA)
+    exact = trajectory_grad_sq_norms(model, b.input_ids_BS, b.response_mask_BS, b.attention_mask_BS, method="exact")
+    fast = trajectory_grad_sq_norms(model, b.input_ids_BS, b.response_mask_BS, b.attention_mask_BS, method="fast")
+    keep = exact > 0
+    assert ((fast - exact)[keep].abs() / exact[keep]).max() < tolerance
+    arm = ["objective.name=vcpo", "advantage.estimator=opob"]
+    grads = []
+    for method in ("exact", "fast"):
+        step = learner([*arm, f"advantage.grad_norm_method={method}"], dtype=dtype)
+        step.backward(BATCH)
+        grads.append(torch.cat([p.grad.float().flatten() for p in step.optimizer.updated]))
+    # bfloat16: the capture assembles the gradient, the exact arm backpropagates the loss: two roundings
+    assert (grads[1] - grads[0]).norm() <= 10 * tolerance * grads[0].norm()

@@ -111,6 +111,14 @@ def _sample(logq_BV: Tensor, top_p: float, generator: torch.Generator | None) ->
     return tokens_B, logmu_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
 
 
+def _resolved(device: torch.device | str) -> torch.device:
+    """``device`` with its index: ``cuda`` is the current CUDA device (a generator reports ``cuda:0``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _check_request(prompt_ids: list[list[int]], sampling: SamplingParams) -> None:
     if not sampling.temperature > 0:
         raise RolloutError(f"sampling.temperature must be > 0, got {sampling.temperature} (use greedy=True for argmax)")
@@ -249,8 +257,9 @@ class HFRolloutEngine:
         if not prompt_ids or sampling.max_new_tokens == 0:
             return gens
         device, B, N = self.device, len(prompt_ids), sampling.max_new_tokens
-        if generator is not None and generator.device != device:
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        if generator is not None and _resolved(generator.device) != _resolved(device):
+            # drawn on the generator's own device (torch.randint takes a generator of the tensor's device only)
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
             generator = torch.Generator(device).manual_seed(seed)
         input_ids_BL, prompt_mask_BP, position_ids_BL = _left_pad(prompt_ids, self.pad_id, device)
         P = prompt_mask_BP.shape[1]

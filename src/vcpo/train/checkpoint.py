@@ -198,7 +198,9 @@ def set_aside(run_dir: Path, step: int) -> Path | None:
     target = ckpt_root / _step_dir_name(step)
     try:
         if target.is_dir():
-            os.replace(target, target.with_name(f"{target.name}.suspect"))
+            suspect = target.with_name(f"{target.name}.suspect")
+            shutil.rmtree(suspect, ignore_errors=True)  # an older copy set aside before a resume: this one is newer
+            os.replace(target, suspect)
         remaining = complete_checkpoints(run_dir)
         if remaining:
             _write_latest(ckpt_root, remaining[-1][1].name)

@@ -58,8 +58,6 @@ def _count(value: Any) -> int:
 def describe(summary: dict[str, Any]) -> str:
     """The command's last line: accuracy before and after, then every count of things that went wrong (health
     alarms: steps on which each rule fired, and rollbacks when there were any)."""
-    final = summary.get("final_accuracy")
-    after = f"{final:.3f}" if isinstance(final, float) else "n/a"
     s = summary
     fired = {rule: n for rule, n in s.get("alarms", {}).items() if n}
     alarms = f"health alarms {sum(fired.values())}" + (
@@ -67,8 +65,34 @@ def describe(summary: dict[str, Any]) -> str:
     if s.get("rollbacks"):
         alarms += f", rollbacks {s['rollbacks']} (learning rate x{s['lr_factor']:g})"
     return (
-        f"held-out accuracy: {s['initial_accuracy']:.3f} before RL -> {after} after {s['steps']} steps "
-        f"({s['wall_time_s']:.0f} s); skipped steps {s['skipped_steps']}, dropped groups {s['dropped_groups']}, "
-        f"reward errors {s['reward_errors']} (timeouts {s['reward_timeouts']}), worker restarts "
-        f"{s['worker_restarts']}, {alarms}; run: {s['run_dir']}"
+        f"{accuracy_change(s)} ({s['wall_time_s']:.0f} s){_verdict(s)}; skipped steps {s['skipped_steps']}, "
+        f"dropped groups {s['dropped_groups']}, reward errors {s['reward_errors']} (timeouts {s['reward_timeouts']}), "
+        f"worker restarts {s['worker_restarts']}, {alarms}; run: {s['run_dir']}"
     )
+
+
+def accuracy_change(summary: dict[str, Any]) -> str:
+    """``held-out accuracy: A before RL -> B after N steps``."""
+    final = summary.get("final_accuracy")
+    after = f"{final:.3f}" if isinstance(final, float) else "n/a"
+    return f"held-out accuracy: {summary['initial_accuracy']:.3f} before RL -> {after} after {summary['steps']} steps"
+
+
+def ended(summary: dict[str, Any]) -> str:
+    """What a stopped run's last line adds: its accuracy change and whether it is beyond noise."""
+    if not isinstance(summary.get("initial_accuracy"), float):
+        return ""
+    return f"; {accuracy_change(summary)}{_verdict(summary)}"
+
+
+def _verdict(summary: dict[str, Any]) -> str:
+    """How the final accuracy compares with the one before RL, beyond noise or not (``accuracy_verdict``)."""
+    verdict = summary.get("verdict")
+    if verdict not in ("worse", "better", "unchanged"):
+        return ""
+    change, noise = summary["accuracy_change"], summary["accuracy_noise"]
+    if verdict == "worse":
+        return f", WORSE than before RL beyond noise ({change:+.3f}, noise {noise:.3f})"
+    if verdict == "better":
+        return f", better than before RL beyond noise ({change:+.3f}, noise {noise:.3f})"
+    return f", within noise of it ({change:+.3f}, noise {noise:.3f})"

@@ -54,7 +54,7 @@ from vcpo.variance import (
     token_logprobs,
     trajectory_grad_sq_norms,
 )
-from vcpo.variance.ghost_norms import PerRowGradCapture, per_row_grad_capture
+from vcpo.variance.ghost_norms import PerRowGradCapture, gradient_lengths, lean_head, per_row_grad_capture
 from vcpo.variance.logprobs import split_head
 
 
@@ -188,10 +188,17 @@ class Learner:
         if ac.estimator == "opob":
             needed_B = opob_rows_needing_grad_norms(batch.rewards_B, batch.group_ids_B)
             # The fast norms read the rows that need them as views if they come first (order is immaterial:
-            # every per-row quantity stays with its row and the loss and metrics are sums and quantiles).
-            if self.single_backward and bool((needed_B[1:] & ~needed_B[:-1]).any()):
-                order = torch.argsort((~needed_B).to(torch.int8), stable=True)
-                batch, needed_B, rows = batch.rows(order), needed_B[order], rows[order]
+            # every per-row quantity stays with its row and the loss and metrics are sums and quantiles); on the
+            # chunked-head path, longest first within each, since the norms trim each chunk of rows to its longest.
+            if self.single_backward:
+                key_B = (~needed_B).to(torch.int64)
+                mask_BS = batch.response_mask_BS
+                if lean_head(self.model, mask_BS, self.config.model.lm_head_fp32) is not None:
+                    S = mask_BS.shape[1]
+                    key_B = key_B * (S + 1) + (S - gradient_lengths(mask_BS))
+                if bool((key_B[1:] < key_B[:-1]).any()):
+                    order = torch.argsort(key_B, stable=True)
+                    batch, needed_B, rows = batch.rows(order), needed_B[order], rows[order]
         mask_BS = batch.response_mask_BS
         lp_BS, entropy_BS, capture, collision_BS = self.forward(batch, needed_B, grad=backward)
         logw_B = sequence_log_weights(lp_BS, batch.behavior_logprobs_BS, mask_BS)

@@ -14,12 +14,13 @@ from vcpo.config import Config, ConfigError, save_config
 from vcpo.errors import DiskError
 from vcpo.metrics import METRICS_FILE
 from vcpo.models.files import ModelLoadError, check_model_dir, declares_chat_template, no_chat_template
+from vcpo.trackers import check_trackers
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 LATEST_FILE = "latest"
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
-_STARTED_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, "tensorboard", "checkpoints")
+_STARTED_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, "tensorboard", "wandb", "mlflow.db", "checkpoints")
 """What a run writes into its directory; a failed fresh start removes exactly these."""
 
 
@@ -88,7 +89,9 @@ def check_writable(path: Path, key: str) -> None:
 
 def check_start(config: Config, resume: bool) -> None:
     """Everything about a start that needs no heavy import: the run directory, the model directory's files,
-    that the places the run writes to accept files. Raises a one-line ``UserError``."""
+    that the places the run writes to accept files, that the trackers it reports to are installed. Raises a
+    one-line ``UserError``."""
+    check_trackers(config.logging.report_to)
     run_dir = Path(config.run_dir)
     if not resume and complete_checkpoints(run_dir):
         raise ConfigError(f"run_dir {str(run_dir)!r} already holds a run with checkpoints: continue it with "

@@ -35,11 +35,12 @@ from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu, resolve_device
 from vcpo.tasks import make_task, prepare_scoring
 from vcpo.tasks.prompts import check_prompt_format
-from vcpo.train.alarms import REMEDIES, Alarm, HealthMonitor
+from vcpo.trackers import open_trackers
+from vcpo.train.alarms import REMEDIES, Alarm, HealthMonitor, accuracy_verdict
 from vcpo.train.checkpoint import CheckpointError, discard_after, load_checkpoint, save_checkpoint, set_aside
 from vcpo.train.evaluate import EvalSettings
 from vcpo.train.evaluate import evaluate as evaluate_policy
-from vcpo.train.health import RunHealth
+from vcpo.train.health import RunHealth, ended
 from vcpo.train.learner import Learner
 from vcpo.train.run_dir import SUMMARY_FILE, RunDirectory, complete_checkpoints, resume_candidates
 from vcpo.train.sft import warm_start
@@ -80,6 +81,7 @@ def batch_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[
         "response/truncated_frac": float(sum(not t.finished for t in trajectories) / len(trajectories)),
         "response/logprob_mean": sum(logprobs) / len(logprobs) if logprobs else math.nan,
         "batch/size": float(len(trajectories)),
+        "batch/groups": float(len(by_group)),
     } | staleness_metrics(trajectories, learner_version) | tool_metrics(trajectories)
 
 
@@ -283,7 +285,8 @@ class _Job:
         self.eval_problems, self.state, self.signals, self.backend = eval_problems, state, signals, backend
         self.start_step = self.saved_step = self.logged_step = learner.version
         self.health = RunHealth.from_state(state.get("health"))
-        self.monitor = HealthMonitor(config.trainer.health, state.get("alarms"))
+        self.monitor = HealthMonitor(config.trainer.health, state.get("alarms"),
+                                     vocab_size=int(learner.model.config.vocab_size))
         learner.lr = config.trainer.lr * self.monitor.lr_factor  # a rollback's lower rate survives a resume
         # stop and rollback checkpoint every step that raised no alarm, and keep enough of them to go back before
         # the dead-policy rule's streak
@@ -293,6 +296,7 @@ class _Job:
         self.initial_accuracy: float | None = state.get("initial_accuracy")
         self.last_accuracy: float | None = state.get("last_accuracy", self.initial_accuracy)
         self.source: RolloutSource | None = None
+        self.evaluated_at = learner.version if self.initial_accuracy is not None else -1
         self.started = time.perf_counter()
         tc = config.trainer
         self.eval_settings = EvalSettings(config.rollout.max_new_tokens, tc.eval_samples, tc.eval_temperature,
@@ -304,7 +308,19 @@ class _Job:
         is N > 0) is kept in ``eval_metrics`` for the step's metrics line."""
         self.eval_metrics = evaluate_policy(self.learner.model, self.tokenizer, self.task, self.eval_problems,
                                             self.eval_settings) | {"eval/problems": len(self.eval_problems)}
+        self.evaluated_at = self.learner.version
         return self.eval_metrics["eval/accuracy"]
+
+    def evaluate_the_end(self) -> None:
+        """A run that stops early (a health alarm, a non-finite streak) is evaluated as it ends, unless its last
+        evaluation saw these weights: its summary then says whether it ended worse than it started."""
+        if self.evaluated_at == self.learner.version or self.initial_accuracy is None:
+            return
+        try:
+            with self.signals.interruptible():
+                self.last_accuracy = self.evaluate()
+        except Exception as e:  # the failure being reported matters more than this evaluation
+            say(f"warning: the final evaluation failed ({type(e).__name__}: {e}); the summary keeps the last one")
 
     def run(self, model_path: Path) -> dict[str, Any]:
         launched = None
@@ -327,21 +343,22 @@ class _Job:
                 say(f"rollout servers up: {', '.join(urls)} (logs in {launched.log_dir})")
                 servers = self.config.rollout.server.model_copy(update={"urls": urls, "launch": None})
             self.open_source(model_path, servers)
-            while True:
-                try:
-                    with (
-                        MetricsLogger(self.run_dir, tensorboard=self.config.logging.tensorboard) as logger,
-                        _progress(self.config.logging.progress) as bar,
-                    ):
-                        self.loop(logger, bar)
-                    break
-                except _Rollback as rollback:
-                    self.roll_back(rollback.alarms)
-                    self.open_source(model_path, servers)
+            lc = self.config.logging
+            with open_trackers(lc.report_to, self.run_dir, lc.project, lc.run_name or self.run_dir.name,
+                               self.config.to_dict()) as sinks:  # one tracker run across rollbacks
+                while True:
+                    try:
+                        with MetricsLogger(self.run_dir, sinks) as logger, _progress(lc.progress) as bar:
+                            self.loop(logger, bar)
+                        break
+                    except _Rollback as rollback:
+                        self.roll_back(rollback.alarms)
+                        self.open_source(model_path, servers)
             self.checkpoint()
         except HealthAlarm as e:  # the last step no rule flagged is checkpointed already
-            self.finish(f"stopped: {e}")
-            raise HealthAlarm(f"stopped at step {self.learner.version}: {e}; {self.kept()}") from None
+            self.evaluate_the_end()
+            summary = self.finish(f"stopped: {e}")
+            raise HealthAlarm(f"stopped at step {self.learner.version}: {e}; {self.kept()}{ended(summary)}") from None
         except StopRequested:
             sig = signal_name(self.signals.signum)
             if self.learner.version == self.start_step:
@@ -356,8 +373,9 @@ class _Job:
         except RunFailed as e:
             self.checkpoint()
             self.set_aside_suspect()
-            self.finish(f"stopped: {e}")
-            raise RunFailed(f"stopped at step {self.learner.version}: {e}; {self.kept()}") from None
+            self.evaluate_the_end()
+            summary = self.finish(f"stopped: {e}")
+            raise RunFailed(f"stopped at step {self.learner.version}: {e}; {self.kept()}{ended(summary)}") from None
         except DiskError:  # a full or read-only disk refuses the checkpoint too: the previous one stays the latest
             raise
         except BaseException:
@@ -420,7 +438,7 @@ class _Job:
             if step == 1:
                 metrics["eval/accuracy_initial"] = self.initial_accuracy
             metrics |= {"step": step, "time/rollout_wait_s": t_rollout, "time/step_s": time.perf_counter() - t0}
-            alarms = self.monitor.observe(metrics, learner.skip_reason)
+            alarms = self.monitor.observe(metrics, learner.skip_reason, final=last)
             metrics |= self.monitor.metrics
             logger.log(metrics)
             self.logged_step = step
@@ -446,6 +464,7 @@ class _Job:
         tc = self.config.trainer
         what = f"health alarm ({', '.join(a.rule for a in alarms)}) at step {alarms[0].step}"
         if tc.on_alarm == "stop":
+            self.set_aside_after(min(a.last_good for a in alarms))
             raise HealthAlarm(f"{what} (trainer.on_alarm=stop)")
         if self.monitor.rollbacks >= tc.max_rollbacks:
             raise HealthAlarm(f"{what} after {self.monitor.rollbacks} rollbacks (trainer.max_rollbacks="
@@ -512,6 +531,17 @@ class _Job:
             self.saved_step = int(kept.name.split("_")[1]) if kept is not None else 0
             say(f"warning: set aside the checkpoint of step {suspect}, written just before the skipped steps")
 
+    def set_aside_after(self, last_good: int) -> None:
+        """A run an alarm stops keeps only checkpoints no alarm suspects (step <= ``last_good``): the later ones are
+        set aside (``step_N.suspect``, never resumed from), so that ``latest`` names the last healthy one."""
+        suspects = [step for step, _ in complete_checkpoints(self.run_dir) if step > last_good]
+        for step in reversed(suspects):
+            kept = set_aside(self.run_dir, step)
+            self.saved_step = int(kept.name.split("_")[1]) if kept is not None else 0
+        if suspects:
+            say(f"health: set aside the checkpoints of step{'s' if len(suspects) > 1 else ''} "
+                f"{', '.join(map(str, suspects))}: the alarm suspects their weights")
+
     def checkpoint_after_crash(self) -> None:
         """On an unexpected error, keep every finished step if possible, without hiding the error itself."""
         if self.source is None or self.learner.version == self.saved_step:
@@ -535,7 +565,8 @@ class _Job:
             "initial_accuracy": self.initial_accuracy, "final_accuracy": self.last_accuracy,
             "wall_time_s": time.perf_counter() - self.started, "objective": self.config.objective.name,
             "mode": self.config.async_.mode, "max_staleness": self.config.async_.max_staleness,
-        } | self.health.counts(self.source.metrics() if self.source is not None else {}) | self.monitor.summary()
+        } | accuracy_verdict(self.initial_accuracy, self.last_accuracy, len(self.eval_problems))
+        summary |= self.health.counts(self.source.metrics() if self.source is not None else {}) | self.monitor.summary()
         if self.bound is not None:  # async.max_staleness: auto
             summary["staleness_bound"] = self.bound.k
         try:

@@ -1,15 +1,26 @@
 """Per-layer algebra of the fast per-row gradients: what one call of a supported module contributes to each row's
-gradient of its parameters, the squared norms of those per-row gradients and their coefficient-weighted sum."""
+gradient of its parameters, the squared norms of those per-row gradients and their coefficient-weighted sum.
+
+Costs, per row of n gradient-carrying tokens (positions up to its last response token; the rest of a padded row
+is trimmed away, rows of similar lengths chunked together) and a weight of R x C:
+- token Gram ``sum_{n,m} (l_n . l_m)(r_n . r_m)``: 2 n^2 (R + C) flops, [n, n] Grams, products in the factors'
+  dtype (bfloat16 factors: tensor cores, float32 accumulation), held and summed in float32;
+- materialised ``sum_n l_n r_n^T``: 2 n R C flops, a [R, C] product per row in the factors' dtype, squared and
+  summed in float32;
+whichever is cheaper (``prefer_gram``). The LM head's weight never goes through either: vcpo.variance.ghost_head.
+"""
 
 from __future__ import annotations
 
 import weakref
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from vcpo.variance.ghost_head import HeadTerm, head_sq_norms, head_weighted_grads, tied_cross
 
 # Per-row-chunk working-set bound (elements) for token Grams and materialised per-row gradients.
 _CHUNK_ELEMENTS = 1 << 24
@@ -34,7 +45,34 @@ class VectorTerm:
     grad_BP: Tensor
 
 
-Term = MatrixTerm | VectorTerm
+Term = MatrixTerm | VectorTerm | HeadTerm
+
+
+@dataclass(frozen=True)
+class RowChunk:
+    """Rows ``rows`` of the batch whose gradient-carrying tokens all lie in the first ``n`` positions."""
+
+    rows: slice
+    n: int
+
+
+def row_chunks(lengths: list[int], per_row: int | None, max_ratio: float = 2.0) -> list[RowChunk]:
+    """Consecutive rows grouped so that each group's working set stays under ``_CHUNK_ELEMENTS``: ``per_row``
+    elements a row (None: a token Gram, ``n^2`` for the group's longest row n); a row shorter than the group's
+    longest by more than ``max_ratio`` starts a new group (the learner sorts rows by length). Each group is a few
+    kernel launches per weight, so groups are split only where trimming saves much: a GPU step of a 0.5B model is
+    bound by its launches as much as by its FLOPs."""
+    chunks, start, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        grown = max(longest, n, 1)
+        size = (i - start + 1) * (per_row if per_row is not None else grown * grown)
+        if i > start and (size > _CHUNK_ELEMENTS or grown > max_ratio * max(n, 1)):
+            chunks.append(RowChunk(slice(start, i), longest))
+            start, grown = i, max(n, 1)
+        longest = grown
+    if lengths:
+        chunks.append(RowChunk(slice(start, len(lengths)), longest))
+    return chunks
 
 
 def module_kind(module: nn.Module) -> str | None:
@@ -85,9 +123,8 @@ def _hf_rms_saved(module: nn.Module, x: Tensor, output: Tensor) -> Tensor | Scal
     """
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
 
-    def recompute(x: Tensor) -> Tensor:
-        x32 = x.to(torch.float32)
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    def recompute(x: Tensor) -> Tensor:  # float32 statistics, as the module computes them; one fused kernel
+        return F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=eps).to(x.dtype)
 
     def scale_of(plus_one: bool) -> Tensor:
         return 1.0 + module.weight.float() if plus_one else module.weight
@@ -189,7 +226,12 @@ def _left_gram(left_i: Tensor, left_j: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.bmm(left_i.to(dtype), left_j.to(dtype).transpose(1, 2))
 
 
-def _gram_sq_norms(terms: list[MatrixTerm], rows: slice, dtype: torch.dtype) -> Tensor:
+def _cut(x: Tensor, chunk: RowChunk) -> Tensor:
+    """Rows ``chunk.rows`` of a [B, N, ...] factor (or [B, N] ids), their first ``chunk.n`` tokens (a view)."""
+    return x[chunk.rows, : chunk.n]
+
+
+def _gram_sq_norms(terms: list[MatrixTerm], chunk: RowChunk, dtype: torch.dtype) -> Tensor:
     """``||sum_n l_n r_n^T||^2 = sum_{n,m} (l_n . l_m)(r_n . r_m)`` per row: cost ~N^2 (rows + columns).
     Products in ``dtype``, their elementwise product and sum in at least float32."""
     acc = _compute_dtype(*(t.right_BNC for t in terms))
@@ -197,23 +239,23 @@ def _gram_sq_norms(terms: list[MatrixTerm], rows: slice, dtype: torch.dtype) -> 
     for i, ti in enumerate(terms):
         for j in range(i, len(terms)):
             tj = terms[j]
-            right = torch.bmm(ti.right_BNC[rows].to(dtype), tj.right_BNC[rows].to(dtype).transpose(1, 2)).to(acc)
-            pair = (_left_gram(ti.left[rows], tj.left[rows], dtype).to(acc) * right).sum((1, 2))
+            right = torch.bmm(_cut(ti.right_BNC, chunk).to(dtype), _cut(tj.right_BNC, chunk).to(dtype).transpose(1, 2))
+            pair = (_left_gram(_cut(ti.left, chunk), _cut(tj.left, chunk), dtype).to(acc) * right.to(acc)).sum((1, 2))
             total = total + (pair if i == j else 2.0 * pair)
     return total
 
 
-def _materialised(terms: list[MatrixTerm], rows: slice, shape: tuple[int, int], dtype: torch.dtype) -> Tensor:
-    """[b, R, C] per-row gradients of the rows in ``rows``: cost ~N R C."""
-    n_rows = rows.stop - rows.start
+def _materialised(terms: list[MatrixTerm], chunk: RowChunk, shape: tuple[int, int], dtype: torch.dtype) -> Tensor:
+    """[b, R, C] per-row gradients of the rows of ``chunk``, in ``dtype``: cost ~N R C."""
+    n_rows = chunk.rows.stop - chunk.rows.start
     grad_bRC = torch.zeros(n_rows, *shape, dtype=dtype, device=terms[0].right_BNC.device)
     for t in terms:
-        right = t.right_BNC[rows].to(dtype)
+        right = _cut(t.right_BNC, chunk).to(dtype)
         if t.left.dim() == 3:
-            grad_bRC.baddbmm_(t.left[rows].to(dtype).transpose(1, 2), right)
+            grad_bRC.baddbmm_(_cut(t.left, chunk).to(dtype).transpose(1, 2), right)
         else:
-            flat_ids = (t.left[rows] + torch.arange(n_rows, device=right.device)[:, None] * shape[0]).reshape(-1)
-            grad_bRC.view(-1, shape[1]).index_add_(0, flat_ids, right.reshape(-1, shape[1]))
+            flat_ids = _cut(t.left, chunk) + torch.arange(n_rows, device=right.device)[:, None] * shape[0]
+            grad_bRC.view(-1, shape[1]).index_add_(0, flat_ids.reshape(-1), right.reshape(-1, shape[1]))
     return grad_bRC
 
 
@@ -228,32 +270,58 @@ def _sparse_sq_norms(terms: list[MatrixTerm], n_weight_rows: int, dtype: torch.d
     return values.new_zeros(B).index_add_(0, unique_keys // n_weight_rows, sums.square().sum(1))
 
 
-def prefer_gram(n_tokens: int, n_rows: int, n_cols: int) -> bool:
-    """Token Gram (~N^2 (R + C) per row) rather than the materialised gradient (~N R C per row)."""
+def prefer_gram(n_tokens: float, n_rows: int, n_cols: int) -> bool:
+    """Token Gram (~N^2 (R + C) per row) rather than the materialised gradient (~N R C per row), for rows of
+    ``n_tokens`` gradient-carrying tokens on average."""
     return n_tokens * (n_rows + n_cols) <= n_rows * n_cols
 
 
-def sq_norms(param: nn.Parameter, terms: list[Term]) -> Tensor:
-    """[B] float64 ``||sum_terms grad_b||^2`` of one parameter; a matrix picks Gram or materialised by cost."""
+def sq_norms(param: nn.Parameter, terms: list[Term], lengths: list[int]) -> Tensor:
+    """[B] float64 ``||sum_terms grad_b||^2`` of one parameter; a matrix picks Gram or materialised by cost.
+    ``lengths``: each row's gradient-carrying tokens (its first ones) in every call's factors."""
+    if any(isinstance(t, HeadTerm) for t in terms):
+        return _head_param_sq_norms(terms)
     if isinstance(terms[0], VectorTerm):
         return sum(t.grad_BP for t in terms).square().sum(1).double()
     dtype = _compute_dtype(param, *(t.right_BNC for t in terms))
     if all(t.left.dim() == 2 for t in terms):
         return _sparse_sq_norms(terms, param.shape[0], dtype).double()
     factors = [x for t in terms for x in (t.left, t.right_BNC)]
-    B, n_tokens = terms[0].right_BNC.shape[0], sum(t.right_BNC.shape[1] for t in terms)
     R, C = param.shape
-    use_gram = prefer_gram(n_tokens, R, C)
-    per_row = n_tokens * n_tokens if use_gram else R * C
-    step = max(1, _CHUNK_ELEMENTS // per_row)
+    # a weight called k times has k n tokens a row in its Gram
+    use_gram = prefer_gram(len(terms) * sum(lengths) / max(len(lengths), 1), R, C)
+    dense = all(t.left.dim() == 3 for t in terms)  # index factors (an embedding) accumulate in float32
+    mm_dtype = _matmul_dtype(param, *factors)
     chunks = []
-    for start in range(0, B, step):
-        rows = slice(start, min(B, start + step))
+    for chunk in row_chunks(lengths, None if use_gram else R * C):
         if use_gram:
-            chunks.append(_gram_sq_norms(terms, rows, _matmul_dtype(param, *factors)))
+            chunks.append(_gram_sq_norms(terms, chunk, mm_dtype))
+        elif dense and mm_dtype in _HALF and len(terms) == 1:  # one product, its squares summed in float32
+            grad_bRC = torch.bmm(_cut(terms[0].left, chunk).transpose(1, 2), _cut(terms[0].right_BNC, chunk))
+            chunks.append(torch.linalg.vector_norm(grad_bRC, dim=(1, 2), dtype=dtype).square())
         else:
-            chunks.append(_materialised(terms, rows, (R, C), dtype).square().sum((1, 2)))
-    return torch.cat(chunks).double()
+            grad_bRC = _materialised(terms, chunk, (R, C), mm_dtype if dense else dtype)
+            chunks.append(grad_bRC.to(dtype).square().sum((1, 2)))
+    return torch.cat(chunks).double() if len(chunks) > 1 else chunks[0].double()
+
+
+def _head_param_sq_norms(terms: list[Term]) -> Tensor:
+    """[B] float64 squared norms of the LM head's weight or bias (vcpo.variance.ghost_head), with a tied input
+    embedding's own part (sparse, by id) and its cross term with the head's."""
+    (head,) = [t for t in terms if isinstance(t, HeadTerm)]
+    weight_sq, bias_sq = head_sq_norms(head)
+    if head.part == "bias":
+        return bias_sq.double()
+    others = [t for t in terms if t is not head]
+    if any(not isinstance(t, MatrixTerm) or t.left.dim() != 2 for t in others):
+        raise NotImplementedError("fast grad norms: the LM head's weight is used by a module other than an embedding")
+    total = weight_sq.double()
+    if others:
+        dtype = _compute_dtype(head.head.weight, *(t.right_BNC for t in others))
+        total = total + _sparse_sq_norms(others, head.head.out_features, dtype).double()
+        for t in others:
+            total = total + tied_cross(head, t.left, t.right_BNC).double()
+    return total
 
 
 def weighted_grad(param: nn.Parameter, terms: list[Term], coef_B: Tensor) -> Tensor:
@@ -267,8 +335,11 @@ def weighted_grad(param: nn.Parameter, terms: list[Term], coef_B: Tensor) -> Ten
     total = torch.zeros(R, C, dtype=dtype, device=param.device)
     for t in terms:
         right_MC = (coef_B.to(dtype)[:, None, None] * t.right_BNC.to(dtype)).reshape(-1, C)
-        if t.left.dim() == 3:
+        mm_dtype = _matmul_dtype(param, t.left, t.right_BNC)
+        if t.left.dim() == 3 and mm_dtype == dtype:
             total.addmm_(t.left.to(dtype).reshape(-1, R).T, right_MC)
+        elif t.left.dim() == 3:  # half factors: the product in their dtype (tensor cores), summed in float32
+            total += (t.left.to(mm_dtype).reshape(-1, R).T @ right_MC.to(mm_dtype)).to(dtype)
         else:
             total.index_add_(0, t.left.reshape(-1), right_MC)
     return total.to(param.dtype)
@@ -288,37 +359,34 @@ def dense_single_term(param: nn.Parameter, terms: list[Term]) -> MatrixTerm | No
     return None
 
 
-def shared_gram_sq_norms(terms: list[MatrixTerm], dtype: torch.dtype) -> Tensor:
-    """[B] ``sum_terms ||sum_n l_n r_n^T||^2`` by token Grams, one Gram per distinct factor tensor.
+def shared_gram_sq_norms(terms: list[MatrixTerm], dtype: torch.dtype, lengths: list[int]) -> Tensor:
+    """[B] ``sum_terms ||sum_n l_n r_n^T||^2`` by token Grams, one Gram per distinct factor tensor, each row
+    chunk's Grams over its gradient-carrying tokens only (``lengths``).
 
     q/k/v (and gate/up) read the same input, so their input Gram is computed once and multiplied by the sum of
     their output-gradient Grams: ``sum_p <A, G_p> = <A, sum_p G_p>``. Grams are products in ``dtype``, held and
     summed in at least float32."""
-    B = terms[0].right_BNC.shape[0]
-    n_max = max(max(t.left.shape[1], t.right_BNC.shape[1]) for t in terms)
-    step = max(1, _CHUNK_ELEMENTS // (n_max * n_max))
     groups: dict[tuple, tuple[Tensor, list[Tensor]]] = {}
     for t in terms:
         groups.setdefault(_factor_key(t.right_BNC), (t.right_BNC, []))[1].append(t.left)
     chunks = []
-    for start in range(0, B, step):
-        rows = slice(start, min(B, start + step))
+    for chunk in row_chunks(lengths, None):
         grams: dict[tuple, Tensor] = {}
-        total = torch.zeros(rows.stop - rows.start, dtype=_compute_dtype(terms[0].right_BNC),
+        total = torch.zeros(chunk.rows.stop - chunk.rows.start, dtype=_compute_dtype(terms[0].right_BNC),
                             device=terms[0].right_BNC.device)
         for right, lefts in groups.values():
-            left_sum = sum(_cached_gram(x, rows, dtype, grams) for x in lefts)
-            total += (_cached_gram(right, rows, dtype, grams) * left_sum).sum((1, 2))
+            left_sum = sum(_cached_gram(x, chunk, dtype, grams) for x in lefts)
+            total += (_cached_gram(right, chunk, dtype, grams) * left_sum).sum((1, 2))
         chunks.append(total)
     return torch.cat(chunks)
 
 
-def _cached_gram(x: Tensor, rows: slice, dtype: torch.dtype, cache: dict[tuple, Tensor]) -> Tensor:
-    """[b, N, N] token Gram of ``x[rows]`` (a product in ``dtype``, held in at least float32), computed once per
-    distinct factor tensor."""
+def _cached_gram(x: Tensor, chunk: RowChunk, dtype: torch.dtype, cache: dict[tuple, Tensor]) -> Tensor:
+    """[b, n, n] token Gram of the chunk's rows and tokens of ``x`` (a product in ``dtype``, held in at least
+    float32), computed once per distinct factor tensor."""
     key = _factor_key(x)
     if key not in cache:
-        xr = x[rows].to(dtype)
+        xr = _cut(x, chunk).to(dtype)
         cache[key] = torch.bmm(xr, xr.transpose(1, 2)).to(_compute_dtype(xr))
     return cache[key]
 
@@ -334,9 +402,8 @@ def shared_weighted_grads(items: list[tuple[nn.Parameter, MatrixTerm]], coef_B: 
     scaled: dict[tuple, Tensor] = {}
 
     def scale(x: Tensor, key: tuple, dtype: torch.dtype) -> Tensor:
-        if key not in scaled:
-            acc = _compute_dtype(x)
-            scaled[key] = (coef_B.to(acc)[:, None, None] * x.to(acc)).to(dtype).reshape(-1, x.shape[-1])
+        if key not in scaled:  # a half factor times float32 coefficients: a float32 product, rounded once
+            scaled[key] = (x * coef_B.to(_compute_dtype(x))[:, None, None]).to(dtype).reshape(-1, x.shape[-1])
         return scaled[key]
 
     grads = []
@@ -369,46 +436,78 @@ def select_rows(items: list[tuple[nn.Parameter, list[Term]]], rows: Tensor) -> l
             picked[key] = x.narrow(0, start, n) if consecutive else x.index_select(0, rows)
         return picked[key]
 
+    heads: dict[int, HeadTerm] = {}
+
     def restrict(t: Term) -> Term:
+        if isinstance(t, HeadTerm):  # the weight's and the bias's terms share their tensors: picked once
+            picked_head = heads.setdefault(id(t.hidden_BnD), t.rows(rows))
+            return picked_head if picked_head.part == t.part else replace(picked_head, part=t.part)
         return VectorTerm(pick(t.grad_BP)) if isinstance(t, VectorTerm) else MatrixTerm(pick(t.left), pick(t.right_BNC))
 
     return [(param, [restrict(t) for t in terms]) for param, terms in items]
 
 
 def total_sq_norms(
-    items: list[tuple[nn.Parameter, list[Term]]], n_rows: int, device: torch.device, rows: Tensor | None = None
+    items: list[tuple[nn.Parameter, list[Term]]], n_rows: int, device: torch.device, rows: Tensor | None = None,
+    lengths_B: Tensor | None = None,
 ) -> Tensor:
     """[B] float64 sum over parameters of each row's squared gradient norm; with ``rows`` (an index tensor),
-    those rows' norms and 0 elsewhere, at the cost of those rows only. Dense weights whose token Gram is the
-    cheaper form are pooled, so that a factor several weights share gets one Gram."""
+    those rows' norms and 0 elsewhere, at the cost of those rows only. ``lengths_B``: each row's gradient-carrying
+    tokens (the first ones of the row; None: every token). Dense weights whose token Gram is the cheaper form are
+    pooled, so that a factor several weights share gets one Gram."""
     total_B = torch.zeros(n_rows, dtype=torch.float64, device=device)
     if rows is not None:
         if rows.numel() > 0:
-            total_B[rows] = total_sq_norms(select_rows(items, rows), rows.numel(), device)
+            picked = None if lengths_B is None else lengths_B.index_select(0, rows)
+            total_B[rows] = total_sq_norms(select_rows(items, rows), rows.numel(), device, lengths_B=picked)
         return total_B
+    if lengths_B is None:
+        n = max((t.right_BNC.shape[1] for _, terms in items for t in terms if isinstance(t, MatrixTerm)), default=1)
+        lengths = [n] * n_rows
+    else:
+        lengths = [int(n) for n in lengths_B.tolist()]
+    mean_length = sum(lengths) / max(n_rows, 1)
     pooled: dict[torch.dtype, list[MatrixTerm]] = {}
+    per_param: list[Tensor] = []
     for param, terms in items:
         term = dense_single_term(param, terms)
-        if term is not None and prefer_gram(term.right_BNC.shape[1], *param.shape):
+        if term is not None and prefer_gram(mean_length, *param.shape):
             pooled.setdefault(_matmul_dtype(param, term.left, term.right_BNC), []).append(term)
         else:
-            total_B += sq_norms(param, terms)
-    for dtype, terms in pooled.items():
-        total_B += shared_gram_sq_norms(terms, dtype).double()
+            per_param.append(sq_norms(param, terms, lengths))
+    per_param += [shared_gram_sq_norms(terms, dtype, lengths).double() for dtype, terms in pooled.items()]
+    if lengths_B is not None:  # the chunked path: one sum (a launch per parameter adds up on a GPU)
+        return total_B + torch.stack(per_param).sum(0) if per_param else total_B
+    for part in per_param:  # the full path keeps its order of sums (and its float results)
+        total_B += part
     return total_B
 
 
 def weighted_grads(
     items: list[tuple[nn.Parameter, list[Term]]], coef_B: Tensor
 ) -> list[tuple[nn.Parameter, Tensor]]:
-    """``(param, sum_b coef_b grad_b)`` for every parameter; dense single-term weights share scaled factors."""
+    """``(param, sum_b coef_b grad_b)`` for every parameter; dense single-term weights share scaled factors, the
+    LM head's weight and bias come from one pass over its vocabulary (plus a tied embedding's own part)."""
     dense: list[tuple[nn.Parameter, MatrixTerm]] = []
     result: list[tuple[nn.Parameter, Tensor]] = []
+    head_params: dict[str, tuple[nn.Parameter, list[Term]]] = {}
     for param, terms in items:
+        if any(isinstance(t, HeadTerm) for t in terms):
+            head_params[next(t for t in terms if isinstance(t, HeadTerm)).part] = (param, terms)
+            continue
         term = dense_single_term(param, terms)
         if term is None:
             result.append((param, weighted_grad(param, terms, coef_B)))
         else:
             dense.append((param, term))
     result += zip((param for param, _ in dense), shared_weighted_grads(dense, coef_B), strict=True)
+    if head_params:
+        param, terms = head_params.get("weight", next(iter(head_params.values())))
+        head = next(t for t in terms if isinstance(t, HeadTerm))
+        grad_w, grad_b = head_weighted_grads(head, coef_B, want_bias="bias" in head_params)
+        if "weight" in head_params:
+            others = [t for t in terms if t is not head]  # a tied embedding
+            result.append((param, grad_w + weighted_grad(param, others, coef_B) if others else grad_w))
+        if "bias" in head_params:
+            result.append((head_params["bias"][0], grad_b))
     return result

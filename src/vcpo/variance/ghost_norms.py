@@ -5,9 +5,13 @@ book-keeping from differentially private training), and the per-row gradient cap
 How: forward hooks keep each supported module's input (or normalised input) and output; one
 ``torch.autograd.grad`` of ``sum_b score_b`` gives every kept output's gradient, which for row b is the gradient of
 ``score_b`` alone because rows do not interact. A weight's per-row gradient is then a sum of outer products
-(see ghost_layers). Opacus 1.6 was measured and not used: its ghost clipping refuses tied embeddings (Qwen2-0.5B,
-GPT-2), captures nothing in eval mode, takes the Gram form for every layer (about 1.5x slower here) and cannot
-assemble a per-row-weighted gradient.
+(see ghost_layers). On large batches (and with a float32 head) a model that splits into body and Linear head
+(vcpo.variance.logprobs.split_head) runs its head over the response tokens only, a vocabulary chunk at a time
+(vcpo.variance.ghost_head): no [B, T, V] tensor exists, the head's norms come from token Grams and its weighted
+gradient from one more pass over the vocabulary. Small batches keep the full-logits path (unchanged numerics).
+Opacus 1.6 was measured and not used: its ghost clipping refuses tied embeddings (Qwen2-0.5B, GPT-2), captures
+nothing in eval mode, takes the Gram form for every layer (about 1.5x slower here) and cannot assemble a
+per-row-weighted gradient.
 
 LoRA (peft, vcpo.models.lora): an adapted layer computes ``y = W x + s B A d(x)`` with ``W`` frozen, ``s = alpha / r``
 and ``d`` the adapter dropout (identity in eval mode). peft's ``lora_A`` and ``lora_B`` are plain ``nn.Linear``
@@ -26,11 +30,13 @@ needed beyond the base weights being frozen; tests/test_lora.py checks it agains
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
 
+from vcpo.variance import logprobs as _logprobs
+from vcpo.variance.ghost_head import HeadTerm, head_capture
 from vcpo.variance.ghost_layers import (
     ScaledOutput,
     Term,
@@ -40,13 +46,7 @@ from vcpo.variance.ghost_layers import (
     total_sq_norms,
     weighted_grads,
 )
-from vcpo.variance.logprobs import (
-    check_token_tensors,
-    head_logits,
-    logprobs_from_logits,
-    split_head,
-    token_logprobs,
-)
+from vcpo.variance.logprobs import check_token_tensors, split_head, token_logprobs
 
 
 @dataclass
@@ -68,6 +68,8 @@ class PerRowGradCapture:
 
     logprobs_BT: Tensor
     terms: list[tuple[nn.Parameter, list[Term]]] = field(repr=False)
+    lengths_B: Tensor | None = field(default=None, repr=False)
+    """Each row's gradient-carrying tokens: positions before its last response token (None: all)."""
     _sq_norms_B: tuple[tuple[int, ...] | None, Tensor] | None = field(default=None, init=False, repr=False)
 
     def sq_norms(self, rows: Tensor | None = None) -> Tensor:
@@ -84,7 +86,7 @@ class PerRowGradCapture:
             rows = None
         key = None if rows is None else tuple(rows.tolist())
         if self._sq_norms_B is None or self._sq_norms_B[0] != key:
-            self._sq_norms_B = (key, total_sq_norms(self.terms, B, self.logprobs_BT.device, rows))
+            self._sq_norms_B = (key, total_sq_norms(self.terms, B, self.logprobs_BT.device, rows, self.lengths_B))
         return self._sq_norms_B[1]
 
     def accumulate_grad(self, coef_B: Tensor) -> None:
@@ -153,12 +155,12 @@ def _graph_uses(root: torch.autograd.graph.Node | None) -> dict[int, int]:
 
 def _hooked_forward(
     model: nn.Module, kinds: dict[nn.Module, str], input_ids: Tensor, response_mask: Tensor,
-    attention_mask: Tensor | None, temperature: float, head: nn.Linear | None = None,
-) -> tuple[Tensor, Tensor, list[_Call]]:
-    """``(sum_b score_b, logprobs_BT, calls)``: the batched forward, keeping what each hooked module call needs.
-
-    With ``head`` (a float32 LM head, see ``lm_head_fp32``) the model body runs hooked and the head's logits are
-    computed in float32 here, recorded as that Linear's call."""
+    attention_mask: Tensor | None, temperature: float, head: nn.Linear | None = None, fp32: bool = False,
+    gram_B: Tensor | None = None,
+) -> tuple[Tensor, Tensor, list[_Call], HeadTerm | None]:
+    """``(sum_b score_b, logprobs_BT, calls, head term)``: the batched forward, keeping what each hooked module call
+    needs. With ``head`` the model body runs hooked and the head runs over the response tokens in vocabulary chunks
+    (``ghost_head.head_capture``, in float32 with ``fp32``), its norms for the rows ``gram_B``."""
     B, T = input_ids.shape
     calls: list[_Call] = []
 
@@ -184,17 +186,16 @@ def _hooked_forward(
                 handles.append(module.register_forward_pre_hook(expand_batch))
                 handles.append(module.register_forward_hook(keep))
         with torch.enable_grad():
+            head_term = None
             if head is None:
                 logp_BT = token_logprobs(model, input_ids, attention_mask, temperature)
             else:
-                hidden_BTD = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-                logits_BTV = head_logits(head, hidden_BTD, fp32=True)
-                saved = hidden_BTD.detach()
-                calls.append(_Call(head, kinds[head], saved, logits_BTV, (saved._version, logits_BTV._version)))
-                logp_BT = logprobs_from_logits(logits_BTV, input_ids, temperature)
+                body = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                logp_BT, head_term = head_capture(head, body.last_hidden_state, input_ids, response_mask, temperature,
+                                                  fp32, gram_B)
             # where, not a product: log-probs at padded positions may be non-finite.
             kept_BT = torch.where(response_mask[:, 1:].bool(), logp_BT[:, 1:], torch.zeros_like(logp_BT[:, 1:]))
-            return kept_BT.sum(), logp_BT.detach(), calls
+            return kept_BT.sum(), logp_BT.detach(), calls, head_term
     finally:
         for handle in handles:
             handle.remove()
@@ -221,27 +222,48 @@ def _refuse_unaccounted(score: Tensor, calls: list[_Call], params: list[nn.Param
             )
 
 
+def lean_head(model: nn.Module, response_mask: Tensor, lm_head_fp32: bool = False) -> nn.Linear | None:
+    """The Linear head the capture runs in vocabulary chunks (``lm_head_fp32``, or as many response logits as
+    vcpo.variance.logprobs' lean path takes), or None for the full-logits path (small batches: their numerics, and
+    every per-row sum's order, stay as they were). Called before any hook exists: ``split_head`` runs the model once
+    per model to check the split."""
+    split = split_head(model)
+    if lm_head_fp32 and split is None:
+        raise NotImplementedError(f"lm_head_fp32: {type(model).__name__}'s logits are not a Linear head")
+    if split is None:
+        return None
+    n_logits = int(response_mask[:, 1:].count_nonzero()) * split[1].out_features
+    return split[1] if lm_head_fp32 or n_logits >= _logprobs.LEAN_MIN_LOGITS else None
+
+
+def gradient_lengths(response_mask: Tensor) -> Tensor:
+    """[B] each row's gradient-carrying positions: those before its last response token (a causal model's later
+    positions never reach the score), 0 for a row with none."""
+    S = response_mask.shape[1]
+    positions = torch.arange(1, S, device=response_mask.device)
+    return (response_mask[:, 1:].bool() * positions).amax(1) if S > 1 else response_mask.new_zeros(len(response_mask))
+
+
 def _capture(
     model: nn.Module, params: list[nn.Parameter], input_ids: Tensor, response_mask: Tensor,
-    attention_mask: Tensor | None, temperature: float, lm_head_fp32: bool = False,
+    attention_mask: Tensor | None, temperature: float, lm_head_fp32: bool = False, rows: Tensor | None = None,
 ) -> PerRowGradCapture:
     # Checkpointed layers re-run their forward inside the backward, after the hooks are gone (Hugging Face
     # checkpoints a layer only in training mode).
     if any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in model.modules()):
         raise NotImplementedError("fast grad norms do not support active gradient checkpointing; use method='exact'")
-    head = None
-    if lm_head_fp32:  # before any hook exists: split_head runs the model once per model to check the split
-        split = split_head(model)
-        if split is None:
-            raise NotImplementedError(f"lm_head_fp32: {type(model).__name__}'s logits are not a Linear head")
-        head = split[1]
+    head = lean_head(model, response_mask, lm_head_fp32)
+    gram_B = None
+    if rows is not None:  # the head's Grams for these rows only (others on demand)
+        gram_B = rows if rows.dtype == torch.bool else torch.zeros(len(input_ids), dtype=torch.bool,
+                                                                     device=input_ids.device).index_fill(0, rows, True)
     # The plan and the graph check depend on the model's structure only: done once per model and trainable set.
     key = tuple(id(p) for p in params)
     plan = _PLANS.get(model)
     if plan is None or plan.key != key:
         plan = _PLANS[model] = _Plan(key, *_plan(model, params))
-    score, logp_BT, calls = _hooked_forward(
-        model, plan.kinds, input_ids, response_mask, attention_mask, temperature, head
+    score, logp_BT, calls, head_term = _hooked_forward(
+        model, plan.kinds, input_ids, response_mask, attention_mask, temperature, head, lm_head_fp32, gram_B
     )
     _refuse_in_place(calls)
     if not plan.graph_checked:
@@ -257,7 +279,15 @@ def _capture(
         for name, term in call_terms(c.kind, c.module, c.saved, grad_out.detach()).items():
             param = getattr(c.module, name)
             terms_by_param.setdefault(id(param), (param, []))[1].append(term)
-    return PerRowGradCapture(logp_BT, list(terms_by_param.values()))
+    if head_term is not None:
+        for part in ("weight", "bias"):
+            param = getattr(head, part)
+            if param is not None and param.requires_grad:
+                term = head_term if part == "weight" else replace(head_term, part="bias")
+                terms_by_param.setdefault(id(param), (param, []))[1].append(term)
+    # the chunked path trims each row to its gradient-carrying tokens; the full path keeps its shapes (and sums)
+    lengths_B = gradient_lengths(response_mask) if head is not None else None
+    return PerRowGradCapture(logp_BT, list(terms_by_param.values()), lengths_B)
 
 
 def per_row_grad_capture(
@@ -276,14 +306,15 @@ def per_row_grad_capture(
     a trainable parameter it cannot account for raises NotImplementedError naming it. ``rows`` (a [B] bool mask
     or indices) limits ``G_B`` to those rows, 0 elsewhere (see ``PerRowGradCapture.sq_norms``). ``lm_head_fp32``
     computes the LM head's logits in float32 (``vcpo.variance.logprobs.head_logits``), as the learner's other
-    passes and the engine then do. The capture holds the [B, T, V] gradient of the logits (the LM head's
-    per-row factor): bound it with micro-batches.
+    passes and the engine then do. On large batches (or with ``lm_head_fp32``) the head runs a vocabulary chunk at a
+    time over the response tokens (vcpo.variance.ghost_head) and the capture holds no vocabulary-sized tensor;
+    small batches take the full logits, whose [B, T, V] gradient the capture then holds.
     """
     check_token_tensors(input_ids, response_mask=response_mask, attention_mask=attention_mask)
     params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
     if not params:
         raise ValueError("per_row_grad_capture: the model has no trainable parameters (requires_grad)")
-    capture = _capture(model, params, input_ids, response_mask, attention_mask, temperature, lm_head_fp32)
+    capture = _capture(model, params, input_ids, response_mask, attention_mask, temperature, lm_head_fp32, rows)
     return capture.sq_norms(rows), capture
 
 
