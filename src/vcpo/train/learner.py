@@ -79,9 +79,6 @@ class Learner:
     before the ESS scale (trainer.lr, unless a health rollback lowered it)."""
 
     optimizer_class: type[LearnerOptimizer] = LearnerOptimizer
-    lean_logprobs = True
-    """Whether log-probs may take the lean path (the model body, then the LM head's weight read directly);
-    a sharded model's head weight is whole only inside the model's own forward (vcpo.train.sharding)."""
 
     def __init__(self, model: torch.nn.Module, config: Config) -> None:
         self.model = model
@@ -132,8 +129,7 @@ class Learner:
         with torch.set_grad_enabled(grad), checkpointing_active(self.checkpointed + self.dropouts if grad else []):
             return token_logprobs(
                 self.model, batch.input_ids_BS, batch.attention_mask_BS, self.config.rollout.temperature,
-                return_entropy=entropy, positions=batch.response_mask_BS if self.lean_logprobs else None,
-                lm_head_fp32=self.config.model.lm_head_fp32,
+                return_entropy=entropy, positions=batch.response_mask_BS, lm_head_fp32=self.config.model.lm_head_fp32,
                 return_collision=collision,
             )
 

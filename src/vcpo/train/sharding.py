@@ -134,7 +134,6 @@ class ShardedLearner(DataParallelLearner):
     """A data-parallel rank whose model is sharded (``shard_model``): the same ``step`` on the global batch."""
 
     optimizer_class = ShardedOptimizer
-    lean_logprobs = False
 
     def reduce(self, value: int, op: dist.ReduceOp) -> int:
         tensor = torch.tensor([value], dtype=torch.int64)
