@@ -190,6 +190,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(target, world_size: int, *args, timeout_s: float = 400) -> None:
+    """``target(rank, world_size, port, *args)`` in ``world_size`` spawned processes (a torch.distributed group on
+    127.0.0.1:port); each must exit 0 within ``timeout_s``, and none is left running whatever happens."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world_size, port, *args), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=timeout_s)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+
+
 @contextmanager
 def serving(model_dir: Path, count: int = 1, timeout_s: float = 120.0) -> Iterator[list[tuple[str, subprocess.Popen]]]:
     """``count`` `vcpo serve` processes on free localhost ports, healthy before the body runs; each is killed when the

@@ -7,14 +7,13 @@ import copy
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from test_micro_batches import MODEL, make_batch
 from vcpo.config import load_config
 from vcpo.train.data_parallel import DataParallelLearner, init_process_group, rank_rows
 from vcpo.train.learner import Learner
 
-from conftest import free_port
+from conftest import run_ranks
 
 CASES = {
     "vcpo_opob_fast": ["objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=fast"],
@@ -51,21 +50,9 @@ def _rank(rank: int, world_size: int, port: int, results: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
-    ctx = mp.get_context("spawn")
     results = str(tmp_path_factory.mktemp("ranks") / "rank0.pt")
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=240)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        return torch.load(results)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    run_ranks(_rank, 2, results, timeout_s=240)
+    return torch.load(results)
 
 
 def test_ranks_take_whole_groups_round_robin():

@@ -3,7 +3,8 @@ actors finishing out of order, a killed rollout actor restarted with its groups 
 line 2 rollout actors and 2 learner ranks, a learner killed mid-run (one line, a checkpoint), resumes from a Ray
 run's checkpoint locally and from a local one on Ray, 2 rollout actors generating on 2 `vcpo serve` processes
 (one killed mid-run), and the weight broadcast (``ray.weight_sync=broadcast``, gloo): the actors' weights equal
-learner rank 0's exactly, the group formed again after an actor restart, and a run through the command line."""
+learner rank 0's exactly, the group formed again after an actor restart, and a run through the command line; two
+FSDP-sharded learner ranks feeding a rollout actor, their checkpoint resumed locally."""
 
 from __future__ import annotations
 
@@ -279,6 +280,27 @@ def test_weight_broadcast_through_the_cli(cluster, tmp_path):
     assert sum(m["ray/weight_loads"] for m in lines) <= 2
 
 
+def test_two_sharded_learner_ranks_through_the_cli_and_their_checkpoint_resumed_locally(cluster, tmp_path):
+    """``trainer.sharding=fsdp`` in the Ray learner group: the rollout actor samples from the weights the 2 sharded
+    ranks gathered layer by layer (k = 0: every token at the learner's current weights, its log-probs the learner's to
+    float rounding), the checkpoint is the ranks' shards, and one local process resumes it."""
+    run, steps = tmp_path / "run", 4
+    common = ["-c", "configs/quickstart.yaml", f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=0",
+              "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "task.eval_size=8",
+              "trainer.eval_every=0", "logging.progress=false", "trainer.lr=1e-3"]
+    vcpo("train", *common, f"run_dir={run}", f"trainer.max_steps={steps}", "trainer.checkpoint_every=2",
+         "async.mode=async", "async.backend=ray", "async.max_staleness=0", "trainer.num_learners=2",
+         "trainer.sharding=fsdp", "ray.timeout_s=120", f"ray.address={cluster}")
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    assert all(m["mismatch/logprob_abs_max"] <= 1e-5 for m in lines)
+    assert any(m["grad_norm"] > 0 for m in lines[:-1])  # some update reached the actor before a later step
+    assert (run / "checkpoints" / "step_000004" / "sharded").is_dir()
+    vcpo("train", "--resume", str(run), f"trainer.max_steps={steps + 1}", "async.backend=local",
+         "trainer.num_learners=1", "trainer.sharding=none", "async.mode=sync")
+    assert [m["step"] for m in metrics(run)] == list(range(1, steps + 2))
+
+
 def test_a_bound_lowered_and_raised_live_holds_for_every_batch(cluster, tmp_path):
     """async.max_staleness: auto on Ray: the driver's admission bound changes between steps (set_bound)."""
     from vcpo.orchestration.ray.rollout import RaySource
@@ -323,7 +345,7 @@ def test_a_step_a_surviving_rank_finished_is_kept_when_its_peer_died(cluster):
             return ray.put({"w": torch.ones(2)})
 
     group = object.__new__(LearnerGroup)
-    group.timeout_s = 60
+    group.timeout_s, group.sharded = 60, False
     group.actors = [Rank.remote(True), Rank.remote(False)]  # rank 0 dies, rank 1 finishes
     metrics, weights, skip_reason = group._taken_by_a_survivor([a.step.remote(None, 1e-3) for a in group.actors])
     assert metrics == {"loss/value": 0.5} and skip_reason is None  # rank 1's answer

@@ -16,7 +16,6 @@ from conftest import vcpo
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["async.backend=ray", "async.mode=lagged"], "async.backend=ray needs async.mode=async (got 'lagged')"),
-    (["trainer.num_learners=2"], "trainer.num_learners=2 needs async.backend=ray"),
     (["async.backend=ray", "trainer.num_learners=5", "rollout.prompts_per_step=4"],
      "trainer.num_learners=5 exceeds the groups per step (4): each rank trains on whole groups"),
     (["async.backend=spark"], "config key 'async.backend'"),

@@ -405,7 +405,11 @@ class TrainerConfig(_Strict):
     """Recompute each decoder layer's activations in the backward instead of keeping them (Hugging Face's
     activation checkpointing); the fast OPOB capture pass keeps its activations regardless."""
     num_learners: int = Field(1, gt=0)
-    """Data-parallel learner ranks (Ray actors in one torch.distributed group; needs async.backend=ray)."""
+    """Data-parallel learner ranks in one torch.distributed group: local processes, or Ray actors with
+    async.backend=ray."""
+    sharding: Literal["none", "fsdp"] = "none"
+    """``none``: every learner rank holds the whole model; ``fsdp``: FSDP2 shards parameters, gradients and optimizer
+    state over the trainer.num_learners ranks (docs/scaling.md)."""
     on_alarm: Literal["warn", "stop", "rollback"] = "warn"
     """What a health alarm does: ``warn`` (a line, the run goes on), ``stop`` (exit 3 with a checkpoint of the last
     step no rule flagged), ``rollback`` (back to a checkpoint from before the alarm, learning rate halved; after
@@ -732,8 +736,8 @@ class Config(_Strict):
         if self.ray.weight_sync == "broadcast" and self.async_.backend == "ray" and self.rollout.engine == "server":
             raise ValueError("ray.weight_sync=broadcast is for in-process rollout actors: with rollout.engine=server "
                              "the servers get the weights through rollout.server")
-        if learners > 1 and self.async_.backend != "ray":
-            raise ValueError(f"trainer.num_learners={learners} needs async.backend=ray")
+        if self.trainer.sharding == "fsdp":
+            _check_sharding(self)
         groups = self.async_.replay.groups_per_step if self.async_.replay.enabled else None
         if learners > (groups or self.rollout.prompts_per_step):
             raise ValueError(f"trainer.num_learners={learners} exceeds the groups per step "
@@ -742,6 +746,19 @@ class Config(_Strict):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
+
+
+def _check_sharding(config: Config) -> None:
+    """What ``trainer.sharding=fsdp`` cannot be combined with, one line each (docs/scaling.md)."""
+    if config.advantage.estimator == "opob" and config.advantage.grad_norm_method == "exact":
+        raise ValueError("advantage.grad_norm_method=exact with trainer.sharding=fsdp: a sharded backward sums every "
+                         "rank's rows; use fast or logit_proxy")
+    if config.model.lm_head_fp32:
+        raise ValueError("model.lm_head_fp32 with trainer.sharding=fsdp: the sharded LM head is whole only inside "
+                         "the model's forward, in model.dtype")
+    if config.async_.backend == "ray" and config.ray.weight_sync == "broadcast":
+        raise ValueError("ray.weight_sync=broadcast with trainer.sharding=fsdp: no rank holds the whole model; use "
+                         "object_store")
 
 
 KWARGS_OF_NAME = {"task.name": "task.kwargs", "objective.name": "objective.kwargs"}

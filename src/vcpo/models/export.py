@@ -1,6 +1,9 @@
 """``vcpo export``: a training checkpoint as a plain Hugging Face model directory (no optimizer, RNG or trainer state).
 
-A full fine-tuning checkpoint is already one: its model and tokenizer files are copied. A LoRA checkpoint holds the
+A full fine-tuning checkpoint is already one: its model and tokenizer files are copied. A sharded one
+(``trainer.sharding: fsdp``) holds the model's config and its weights as the ranks' shards: the model is built from
+the config, each weight read whole (torch.distributed.checkpoint, in one process, however many ranks wrote it) and
+saved in the config's dtype. A LoRA checkpoint holds the
 adapter alone (peft's layout) and names its base (``adapter_config.json``'s ``base_model_name_or_path``):
 
 - ``merge=True``: the base with ``W + (alpha / r) B A`` folded into each adapted weight (peft's ``merge_and_unload``),
@@ -47,6 +50,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = Fal
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-tmp-"))
     try:
         if not lora:
+            from vcpo.train.sharding import SHARDED_STATE
+
+            if (ckpt / SHARDED_STATE).is_dir():
+                _export_sharded(ckpt, tmp)
             for path in ckpt.iterdir():
                 if path.is_file() and path.name not in TRAINING_STATE:
                     shutil.copy2(path, tmp / path.name)
@@ -59,6 +66,24 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = Fal
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _export_sharded(ckpt: Path, out: Path) -> None:
+    """The weights of a sharded checkpoint as safetensors in ``out``, in the dtype its config names."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vcpo.train.sharding import SHARDED_STATE, load_sharded_whole
+
+    config = AutoConfig.from_pretrained(ckpt, local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        load_sharded_whole(model, None, ckpt / SHARDED_STATE)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise ExportError(f"checkpoint {str(ckpt)!r}: its sharded weights do not fit its config.json "
+                          f"({' '.join(str(e).split())[:300]})") from None
+    dtype = getattr(config, "dtype", None) or torch.float32
+    model.to(dtype).save_pretrained(out)
 
 
 def _base_dir(ckpt: Path, base: str | Path | None) -> Path:

@@ -1,5 +1,8 @@
 """Atomic training checkpoints: Hugging Face weights (safetensors) + tokenizer, optimizer, trainer state, RNG; for a
 LoRA model the adapter alone in peft's layout (``adapter_model.safetensors``, ``adapter_config.json`` naming the base).
+A sharded learner group (``trainer.sharding: fsdp``) writes its weights and optimizer state as its ranks' shards
+(``sharded/``, torch.distributed.checkpoint) beside the model's config; any number of ranks, or one unsharded process,
+reads them back (vcpo.train.sharding).
 
 Layout: ``run_dir/checkpoints/step_000010/`` (loadable with ``from_pretrained``) and a ``latest`` file naming it
 (``vcpo.train.run_dir`` finds them). Non-finite weights are never written; a failed write leaves the previous
@@ -15,7 +18,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -25,13 +28,25 @@ from safetensors.torch import load_file
 from vcpo.errors import DiskError, UserError
 from vcpo.metrics import fsync_dir
 from vcpo.models.lora import ADAPTER_WEIGHTS, LoraError, adapter_base, is_lora, load_adapter, save_adapter
+from vcpo.train.precision import LearnerOptimizer
 from vcpo.train.run_dir import LATEST_FILE, complete_checkpoints, latest_checkpoint
+from vcpo.train.sharding import SHARDED_STATE, load_sharded_whole
 
 __all__ = ["CheckpointError", "discard_after", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "set_aside"]
 
 
 class CheckpointError(UserError):
     """A missing, incomplete or corrupt checkpoint; the message is one line naming the path."""
+
+
+@runtime_checkable
+class ShardedState(Protocol):
+    """The optimizer of a sharded learner group, as checkpoints see it: its ranks write and read their own shards of
+    the trained weights and the optimizer state in a directory."""
+
+    def save_sharded(self, path: Path) -> None: ...
+
+    def load_sharded(self, path: Path) -> None: ...
 
 
 def _step_dir_name(step: int) -> str:
@@ -121,8 +136,9 @@ def save_checkpoint(
 ) -> Path:
     """Write ``run_dir/checkpoints/step_{step:06d}/`` atomically and return it.
 
-    Contents: the model (``save_pretrained``, safetensors; a LoRA model's adapter alone, in peft's layout) and
-    tokenizer, ``optimizer.pt``, ``trainer_state.json`` (``trainer_state`` plus ``step``) and ``rng.pt`` (Python,
+    Contents: the model (``save_pretrained``, safetensors; a LoRA model's adapter alone, in peft's layout; a sharded
+    group's config, its weights in ``sharded/`` with the optimizer state) and tokenizer, ``optimizer.pt``,
+    ``trainer_state.json`` (``trainer_state`` plus ``step``) and ``rng.pt`` (Python,
     NumPy, torch CPU/CUDA states and each named generator's state). Everything is written into a
     ``.tmp-<pid>`` directory that is renamed into place only when complete; then ``latest`` is
     replaced atomically, and all but the ``keep`` newest checkpoints (and leftovers of interrupted
@@ -146,10 +162,16 @@ def save_checkpoint(
         with _quiet_progress_bars():
             if is_lora(model):  # the base is fixed: adapter_config.json names its directory
                 save_adapter(model, tmp)
+            elif isinstance(optimizer, ShardedState):  # the weights are the ranks' shards: the model's files only
+                model.config.save_pretrained(tmp)
+                model.generation_config.save_pretrained(tmp)
             else:
                 model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if isinstance(optimizer, ShardedState):
+            optimizer.save_sharded(tmp / SHARDED_STATE)
+        else:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(_rng_state(generators), tmp / "rng.pt")
         # trainer_state.json last: its presence is what marks a step directory complete.
         (tmp / "trainer_state.json").write_text(state_json + "\n", encoding="utf-8")
@@ -267,6 +289,26 @@ def _load_weights(ckpt_dir: Path, model: torch.nn.Module) -> None:
         )
 
 
+def _loads_whole(optimizer: Any) -> bool:
+    """Whether one process reads a sharded checkpoint whole into this optimizer (a single unsharded learner's, or
+    none: weights only)."""
+    return optimizer is None or isinstance(optimizer, LearnerOptimizer)
+
+
+def _load_sharded(ckpt_dir: Path, model: torch.nn.Module, optimizer: Any) -> None:
+    """A sharded checkpoint into a sharded group (its ranks read their shards and publish into ``model``), or whole
+    into one process's model and optimizer."""
+    if (ckpt_dir / ADAPTER_WEIGHTS).is_file():
+        _load_adapter(ckpt_dir, model)  # checks the base it was trained on
+    try:
+        if isinstance(optimizer, ShardedState):
+            optimizer.load_sharded(ckpt_dir / SHARDED_STATE)
+        else:
+            load_sharded_whole(model, optimizer, ckpt_dir / SHARDED_STATE)
+    except (RuntimeError, ValueError, KeyError) as e:  # DCP's "missing key" / shape errors
+        raise CheckpointError(f"checkpoint {ckpt_dir}/{SHARDED_STATE} does not fit the model: {_one_line(e)}") from None
+
+
 def load_checkpoint(
     ckpt_dir: Path,
     model: torch.nn.Module,
@@ -280,7 +322,12 @@ def load_checkpoint(
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"checkpoint not found: {ckpt_dir}")
-    for name in ("trainer_state.json", "rng.pt") + (("optimizer.pt",) if optimizer is not None else ()):
+    sharded = (ckpt_dir / SHARDED_STATE).is_dir()
+    if sharded != isinstance(optimizer, ShardedState) and not (sharded and _loads_whole(optimizer)):
+        raise CheckpointError(f"checkpoint {ckpt_dir} was written {'with' if sharded else 'without'} "
+                              f"trainer.sharding=fsdp: resume it with trainer.sharding={'fsdp' if sharded else 'none'}"
+                              f"{' or a single learner' if sharded else ''}")
+    for name in ("trainer_state.json", "rng.pt") + (("optimizer.pt",) if optimizer is not None and not sharded else ()):
         if not (ckpt_dir / name).is_file():
             raise CheckpointError(f"checkpoint {ckpt_dir} is incomplete: no {name}")
     try:
@@ -289,7 +336,7 @@ def load_checkpoint(
         rng = torch.load(ckpt_dir / "rng.pt", map_location="cpu", weights_only=True)
         optim_state = (
             torch.load(ckpt_dir / "optimizer.pt", map_location="cpu", weights_only=True)
-            if optimizer is not None
+            if optimizer is not None and not sharded
             else None
         )
     except Exception as e:
@@ -297,8 +344,11 @@ def load_checkpoint(
     unknown = sorted((generators or {}).keys() - rng["generators"].keys())
     if unknown:  # checked before anything is modified, so a failed load leaves the run untouched
         raise CheckpointError(f"checkpoint {ckpt_dir} has no state for generator(s) {', '.join(unknown)}")
-    _load_weights(ckpt_dir, model)
-    if optimizer is not None:
+    if sharded:
+        _load_sharded(ckpt_dir, model, optimizer)
+    else:
+        _load_weights(ckpt_dir, model)
+    if optimizer is not None and not sharded:
         try:
             optimizer.load_state_dict(optim_state)
         except (ValueError, KeyError) as e:

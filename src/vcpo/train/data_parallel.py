@@ -85,11 +85,14 @@ class DataParallelLearner(Learner):
         else:
             count = torch.tensor(float(WholeBatch.of(local.response_mask_BS, self.loss_agg).count), dtype=torch.float64)
             whole = WholeBatch(float(self.all_reduce(count)), self.loss_agg)
-            parts = [self.part(trim_padding(batch.rows(rows)), rows, _rows_of(adv_B, rows), True, whole)
-                     for rows in plan]
-            out = None
+            parts, out = self.train_parts(batch, plan, adv_B, whole), None
         self.all_reduce_grads()
         return self.metrics(batch, parts, out)
+
+    def train_parts(self, batch: Batch, plan: list[Tensor], adv_B: Tensor | None, whole: WholeBatch) -> list[_Part]:
+        """This rank's micro-batches (``plan``: rows of the global ``batch``), each backpropagated at its share of the
+        ``whole`` batch's loss."""
+        return [self.part(trim_padding(batch.rows(rows)), rows, _rows_of(adv_B, rows), True, whole) for rows in plan]
 
     @torch.no_grad()
     def all_reduce_grads(self) -> None:

@@ -78,6 +78,8 @@ class Learner:
     """Owns the trained model and its optimizer; ``version`` counts optimizer steps taken; ``lr`` is the learning rate
     before the ESS scale (trainer.lr, unless a health rollback lowered it)."""
 
+    optimizer_class: type[LearnerOptimizer] = LearnerOptimizer
+
     def __init__(self, model: torch.nn.Module, config: Config) -> None:
         self.model = model
         self.config = config
@@ -85,7 +87,7 @@ class Learner:
         self.lr = tc.lr
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = LearnerOptimizer(self.params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
+        self.optimizer = self.optimizer_class(self.params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
         name = config.objective.name
         self.objective = get_objective(name)
         self.objective_kwargs = dict(config.objective.kwargs)
@@ -248,6 +250,10 @@ class Learner:
         """A batch-coupled objective over micro-batches: the objective once on the whole batch's detached log-probs
         gives ``coef = dL/dlp``; each micro-batch then backpropagates ``sum coef * lp`` (exact for any objective)."""
         parts = [self.part(trim_padding(batch.rows(rows)), rows, _rows_of(adv_B, rows), False) for rows in plan]
+        return parts, self.coupled_backward(batch, parts)
+
+    def coupled_backward(self, batch: Batch, parts: list[_Part]) -> ObjectiveOutput:
+        """``two_pass``'s second pass over its forward-only ``parts``; returns the objective on the whole batch."""
         B, S = batch.input_ids_BS.shape
         lp_leaf_BS = self.gather_rows([(p.rows, p.lp_bS) for p in parts], B, S).requires_grad_()
         out = self.objective(self.inputs(batch, lp_leaf_BS, self.gather_rows([(p.rows, p.adv_b) for p in parts], B)),
@@ -260,7 +266,7 @@ class Learner:
             self.optimizer.accumulate()
         if self.single_backward:  # the captures gave the norms only
             parts[0].metrics["opob/second_backward"] = 1.0
-        return parts, out
+        return out
 
     def gather_rows(self, parts: list[tuple[Tensor, Tensor]], B: int, S: int | None = None) -> Tensor:
         """The whole batch's [B] (or [B, S]) tensor from the parts' rows: the seam where data-parallel ranks
@@ -350,11 +356,19 @@ class Learner:
         coef_BS = torch.where(mask_BS, coef_BS, torch.zeros_like(coef_BS))
         row_coef_B = coef_BS.sum(1) / mask_BS.sum(1).clamp(min=1)
         spread = torch.where(mask_BS, coef_BS - row_coef_B[:, None], torch.zeros_like(coef_BS)).abs().max()
-        if float(spread) <= 1e-6 * max(float(row_coef_B.abs().max()), 1e-30):
-            capture.accumulate_grad(row_coef_B)
+        if self.agreed(float(spread) <= 1e-6 * max(float(row_coef_B.abs().max()), 1e-30)):
+            self.add_captured_grad(capture, row_coef_B)
             return False
         (coef_BS * self.logprobs(batch)).sum().backward()
         return True
+
+    def agreed(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every learner rank (ranks whose passes are collectives must take the same ones)."""
+        return flag
+
+    def add_captured_grad(self, capture: PerRowGradCapture, coef_B: Tensor) -> None:
+        """Add ``sum_b coef_b grad_theta score_b`` from the capture to the parameters' gradients."""
+        capture.accumulate_grad(coef_B)
 
 
 def merge_part_metrics(dicts: list[dict[str, float]]) -> dict[str, float]:

@@ -14,7 +14,7 @@ import math
 import os
 import random
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +217,20 @@ def train(config: Config, resume: bool = False, signals: StopSignals | None = No
         return _train(config, resume, signals, backend)
 
 
+def make_learner(config: Config, model: torch.nn.Module, model_path: Path, backend, closing: ExitStack) -> Learner:
+    """The run's learner: this process's, ``backend``'s learner group, or trainer.num_learners local processes (closed
+    by ``closing``; one, sharded, is a world of one rank), the last two mirrored by ``model``."""
+    if backend is not None:
+        return backend.learner(model, str(model_path))
+    if config.trainer.num_learners == 1 and config.trainer.sharding == "none":
+        return Learner(model, config)
+    from vcpo.orchestration.local_learners import LocalLearnerGroup
+
+    group = LocalLearnerGroup(model, config, str(model_path))
+    closing.callback(group.close)
+    return group
+
+
 def _train(config: Config, resume: bool, signals: StopSignals | None, backend) -> dict[str, Any]:
     """The run on the local backend, or on ``backend``'s learner group and rollout actors.
 
@@ -225,7 +239,7 @@ def _train(config: Config, resume: bool, signals: StopSignals | None, backend) -
     (non-finite streak, rollout workers lost) and ``RunInterrupted`` (SIGTERM/SIGINT), both after keeping
     every finished step that is sound. ``signals``: the caller's handlers, if it installed them earlier.
     """
-    with nullcontext(signals) if signals is not None else StopSignals() as signals:
+    with nullcontext(signals) if signals is not None else StopSignals() as signals, ExitStack() as closing:
         try:
             with signals.interruptible():  # nothing is written yet: a signal may end the start at once
                 configure_cpu(config.runtime.torch_threads)
@@ -237,7 +251,7 @@ def _train(config: Config, resume: bool, signals: StopSignals | None, backend) -
                 model_path = warm_start(config)
                 model, tokenizer = load_policy(model_path, config.model.dtype, device)
                 model = apply_lora_config(model, config.model.lora)  # rank 0: the model as it is
-                learner = Learner(model, config) if backend is None else backend.learner(model, str(model_path))
+                learner = make_learner(config, model, model_path, backend, closing)
                 state, ckpt = restore(run.path, learner) if resume else ({}, None)
                 eval_problems = task.problems("eval", config.task.eval_size, seed=config.seed)
                 check_prompt_format(tokenizer, eval_problems, str(model_path))

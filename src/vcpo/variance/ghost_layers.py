@@ -141,7 +141,8 @@ def _hf_rms_saved(module: nn.Module, x: Tensor, output: Tensor) -> Tensor | Scal
             raise NotImplementedError(
                 f"{type(module).__name__} is not y = weight * rms_normalised(x); fast grad norms cannot handle it"
             )
-    scale = scale_of(_RMS_FORMS[module]).detach()
+    # A copy, not a view: a sharded model (FSDP2) frees the gathered weight when the layer's forward ends.
+    scale = scale_of(_RMS_FORMS[module]).detach().clone()
     # A near-zero scale entry (or a flushed denormal product) cannot be divided back out.
     if output.dtype in (torch.float32, torch.float64) and float(scale.abs().min()) > 1e-6:
         return ScaledOutput(output.detach(), scale.to(output.dtype))

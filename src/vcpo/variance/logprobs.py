@@ -14,6 +14,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 LEAN_MIN_LOGITS = 1 << 24
 """Positions x vocabulary from which the lean path is taken (64 MiB of float32 logits). Below it the full path
@@ -30,8 +31,9 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     """``(body, head)`` with ``model(ids).logits == head(body(ids).last_hidden_state)``, or None.
 
     The body is Hugging Face's ``base_model`` and the head ``get_output_embeddings()``, an ``nn.Linear``. Models that
-    transform the logits further (soft-capping, a logit scale) have no such split. Checked once per model on a
-    short slice of one row, against the model's own logits (the check runs a forward: call it outside hooks).
+    transform the logits further (soft-capping, a logit scale) have no such split, nor does a sharded model (FSDP2:
+    its head's weight is whole only inside the model's own forward). Checked once per model on a short slice of one
+    row, against the model's own logits (the check runs a forward: call it outside hooks).
     """
     if model in _SPLITS:
         return _SPLITS[model]
@@ -41,7 +43,8 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     config = getattr(model, "config", None)
     scaled = any(getattr(config, key, None) is not None for key in ("final_logit_softcapping", "logit_scale"))
     split = None
-    if isinstance(body, nn.Module) and body is not model and isinstance(head, nn.Linear) and not scaled:
+    sharded = isinstance(head, nn.Linear) and isinstance(head.weight, DTensor)
+    if isinstance(body, nn.Module) and body is not model and isinstance(head, nn.Linear) and not scaled and not sharded:
         ids = torch.arange(3, 7, device=head.weight.device)[None] % head.out_features
         try:
             with torch.no_grad():

@@ -4,12 +4,20 @@
 The driver keeps a mirror of the policy (evaluation, checkpoints): after each step rank 0 puts the new weights in
 the object store once; the driver loads that object into the mirror and posts it on the ``WeightBoard``, so the
 rollout actors fetch the same object. Every rank holds the same weights and optimizer state (the same all-reduced
-gradient, the same AdamW step), so any live rank can give the state a checkpoint needs."""
+gradient, the same AdamW step), so any live rank can give the state a checkpoint needs.
+
+With ``trainer.sharding: fsdp`` (vcpo.train.sharding) the ranks are built from the driver's weights (rank 0 reads them,
+the others build on the meta device), each step's weights are gathered a layer at a time and rank 0 puts each layer
+in the store (no rank holds a second whole copy), the driver copies them into the mirror (which the board then puts
+for the rollout actors), and the ranks write and read their checkpoint shards themselves, in the run directory (a
+filesystem every learner node sees). A lost rank takes its shards with it: the run ends, and resumes from the last
+checkpoint."""
 
 from __future__ import annotations
 
 import copy
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -39,9 +47,11 @@ class LearnerActor:
 
         self.config = config_from_dict(config_tree)
         configure_cpu(self.config.runtime.torch_threads)
-        device = resolve_device(self.config.model.device)
-        self.model = apply_lora_config(load_policy(model_path, self.config.model.dtype, device)[0],
-                                       self.config.model.lora)
+        self.device = resolve_device(self.config.model.device)
+        self.sharded = self.config.trainer.sharding == "fsdp"
+        self.model_path = model_path
+        self.model = None if self.sharded else apply_lora_config(
+            load_policy(model_path, self.config.model.dtype, self.device)[0], self.config.model.lora)
         self.rank, self.world_size = rank, world_size
         self.learner = None
         self.broadcast: BroadcastMember | None = None
@@ -57,14 +67,23 @@ class LearnerActor:
         return node_id()
 
     @ray.method(concurrency_group="step")
-    def join(self, address: str, port: int) -> None:
+    def join(self, address: str, port: int, initial: list | None = None) -> None:
+        """Join the group; a sharded rank builds its model then, from the driver's weights ``initial`` (``[ref]``,
+        which rank 0 reads)."""
         from vcpo.train.data_parallel import DataParallelLearner, init_process_group
         from vcpo.train.learner import Learner
 
-        if self.world_size == 1:
+        if self.world_size == 1 and not self.sharded:
             self.learner = Learner(self.model, self.config)
             return
         init_process_group(self.rank, self.world_size, address, port, self.config.ray.timeout_s)
+        if self.sharded:
+            from vcpo.train.sharding import ShardedLearner, build_sharded_model
+
+            weights = ray.get(initial[0]) if self.rank == 0 else None
+            self.model = build_sharded_model(self.model_path, self.config, self.device, weights)
+            self.learner = ShardedLearner(self.model, self.config)
+            return
         self.learner = DataParallelLearner(self.model, self.config)
 
     @ray.method(concurrency_group="step")
@@ -79,17 +98,47 @@ class LearnerActor:
             self.learner.version = version
 
     @ray.method(concurrency_group="step")
-    def step(self, batch: Batch, lr: float) -> tuple[dict[str, float], list | None, str | None]:
-        """One optimizer step on the global batch at learning rate ``lr`` (before the ESS scale; skipped on every
-        rank alike when a global statistic is not finite); rank 0 also returns [ref] of the new weights in the
-        store."""
+    def step(self, batch: Batch, lr: float, version: int | None = None) -> tuple[dict[str, float], list | None,
+                                                                                 str | None]:
+        """One optimizer step from ``version`` (None: the rank's own) on the global batch at learning rate ``lr``
+        (before the ESS scale; skipped on every rank alike when a global statistic is not finite); rank 0 also returns
+        [ref] of the new weights in the store (sharded: a ref per layer)."""
         self.learner.lr = lr
+        if version is not None:
+            self.learner.version = version
         metrics = self.learner.step(batch)
+        t0 = time.perf_counter()
+        if self.sharded:
+            refs = self.put_layers()
+        elif self.rank == 0:
+            refs = [ray.put(host_state_dict(self.model))]
         if self.rank != 0:
             return metrics, None, self.learner.skip_reason
-        t0 = time.perf_counter()
-        ref = ray.put(host_state_dict(self.model))
-        return metrics | {"time/weight_put_s": time.perf_counter() - t0}, [ref], self.learner.skip_reason
+        return metrics | {"time/weight_put_s": time.perf_counter() - t0}, refs, self.learner.skip_reason
+
+    def put_layers(self) -> list:
+        """Sharded: every rank gathers the weights a layer at a time; rank 0 puts each layer in the store."""
+        from vcpo.train.sharding import gathered_layers
+
+        refs = []
+        for layer in gathered_layers(self.model):
+            if self.rank == 0:
+                refs.append(ray.put({key: value.detach().to("cpu") for key, value in layer.items()}))
+        return refs
+
+    @ray.method(concurrency_group="step")
+    def save_sharded(self, path: str) -> None:
+        from vcpo.train.sharding import save_sharded
+
+        save_sharded(self.model, self.learner.optimizer, path)
+
+    @ray.method(concurrency_group="step")
+    def load_sharded(self, path: str) -> list:
+        """Read this rank's shards of a checkpoint; rank 0 returns the weights' layer refs (``step``'s)."""
+        from vcpo.train.sharding import load_sharded
+
+        load_sharded(self.model, self.learner.optimizer, path)
+        return self.put_layers()
 
     @ray.method(concurrency_group="step")
     def put_weights(self) -> Any:
@@ -146,6 +195,22 @@ class _OptimizerProxy:
         self.pending = state
 
 
+class _ShardedState:
+    """What checkpoints see as ``learner.optimizer`` under ``trainer.sharding: fsdp``: every rank writes and reads its
+    own shards (vcpo.train.checkpoint); after a load the driver's mirror takes the ranks' weights."""
+
+    def __init__(self, group: LearnerGroup) -> None:
+        self.group = group
+
+    def save_sharded(self, path: str | Path) -> None:
+        self.group._call([a.save_sharded.remote(str(path)) for a in self.group.actors], "the sharded checkpoint")
+
+    def load_sharded(self, path: str | Path) -> None:
+        refs = self.group._call([a.load_sharded.remote(str(path)) for a in self.group.actors],
+                                "loading the sharded checkpoint")[0]
+        self.group.mirror(refs)
+
+
 class LearnerGroup:
     """``trainer.num_learners`` learner actors behind the ``Learner`` interface (``step``, ``version``, ``lr``,
     ``optimizer``, ``model``, ``device``)."""
@@ -158,14 +223,16 @@ class LearnerGroup:
         self.lr = config.trainer.lr  # sent with each step
         self.skip_reason: str | None = None
         self.synced_version: int | None = None  # the version the ranks' weights are known to match
-        self.optimizer = _OptimizerProxy(self)
+        self.sharded = config.trainer.sharding == "fsdp"
+        self.optimizer = _ShardedState(self) if self.sharded else _OptimizerProxy(self)
         actor_cls = ray.remote(concurrency_groups={"step": 1, "control": 1})(LearnerActor)
         self.placement = LearnerPlacement(rc, n)  # every rank's bundle reserved, or one line
         self.actors = [actor_cls.options(**self.placement.options(rank), max_restarts=0)
                        .remote(config.to_dict(), model_path, rank, n) for rank in range(n)]
         address, port = get(self.actors[0].rendezvous.remote(), rc.start_timeout_s, "learner rank 0 (start)",
                             "ray.start_timeout_s")
-        self._call([a.join.remote(address, port) for a in self.actors], "the learner group (process group)",
+        initial = [ray.put(host_state_dict(model))] if self.sharded else [None]  # a sharded rank 0 starts from it
+        self._call([a.join.remote(address, port, initial) for a in self.actors], "the learner group (process group)",
                    start=True)
 
     def _call(self, refs: list, what: str, start: bool = False) -> list:
@@ -185,8 +252,9 @@ class LearnerGroup:
             raise exc from None
 
     def _sync(self) -> None:
-        """Before the first step (and after a resume): the driver's weights and optimizer state to every rank."""
-        if self.synced_version == self.version and self.optimizer.pending is None:
+        """Before the first step (and after a resume): the driver's weights and optimizer state to every rank (sharded
+        ranks started from the driver's weights and read their checkpoints themselves)."""
+        if self.sharded or (self.synced_version == self.version and self.optimizer.pending is None):
             return
         weights = ray.put(host_state_dict(self.model))
         state = None if self.optimizer.pending is None else ray.put(self.optimizer.pending)
@@ -198,7 +266,7 @@ class LearnerGroup:
         self._sync()
         t0 = time.perf_counter()
         batch_ref = ray.put(batch)  # once, whatever the number of ranks
-        refs = [a.step.remote(batch_ref, self.lr) for a in self.actors]
+        refs = [a.step.remote(batch_ref, self.lr, self.version) for a in self.actors]
         try:
             answer = self._call(refs, f"learner step {self.version + 1}")[0]
         except BackendError:
@@ -207,14 +275,21 @@ class LearnerGroup:
                 raise
         metrics, ref, self.skip_reason = answer
         t1 = time.perf_counter()
-        with torch.no_grad():
-            for key, value in get(ref[0], self.timeout_s, "the new weights").items():
-                self.model.state_dict()[key].copy_(value)
+        self.mirror(ref)
         self.version += 1
         self.synced_version = self.version
-        self.board.post(self.version, ref[0])
+        if not self.sharded:  # the ranks' object is the whole state: the rollout actors fetch it (else the driver's)
+            self.board.post(self.version, ref[0])
         return metrics | {"time/learner_group_s": t1 - t0, "time/weight_sync_s": metrics.get("time/weight_put_s", 0.0)
                           + time.perf_counter() - t1}
+
+    def mirror(self, refs: list) -> None:
+        """The ranks' weights (a ref to the whole state, or one per layer) into the driver's mirror, one at a time."""
+        with torch.no_grad():
+            state = self.model.state_dict()
+            for ref in refs:
+                for key, value in get(ref, self.timeout_s, "the new weights").items():
+                    state[key].copy_(value)
 
     def _taken_by_a_survivor(self, refs: list) -> tuple | None:
         """After a rank failed during a step: the step's answer (metrics, [weights ref], skip reason) if a surviving
@@ -228,6 +303,8 @@ class LearnerGroup:
             try:
                 metrics, weights, skip_reason = ray.get(ref, timeout=0)
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                continue
+            if weights is None and self.sharded:  # no rank holds the whole model: rank 0's answer alone will do
                 continue
             if weights is None:  # only rank 0 puts its weights in the store with each step
                 weights = [get(self.actors[rank].put_weights.remote(), self.timeout_s, f"learner rank {rank}")]
