@@ -1,5 +1,6 @@
 """What one learner step costs in the units a GPU is judged by, counted on the CPU: matrix-product FLOPs by operand
-dtype, every tensor of 200 MB or more that the step creates (op, shape, dtype), apart the parameter-shaped ones
+dtype, the operators that launch a kernel (a GPU step of a small model is bound by its launches as much as by its
+FLOPs), every tensor of 200 MB or more that the step creates (op, shape, dtype), apart the parameter-shaped ones
 (gradients, optimizer state and updates, which GRPO has as well) from the activations (flagged when a dimension is
 the vocabulary and it holds more than one chunk of logits), and the resident-set rise. Side by side for GRPO, VCPO with
 fast norms (each OPOB variant) and VCPO with the logit proxy, on one batch, so that a developer without a GPU can see
@@ -42,6 +43,8 @@ class StepCount:
     flops: Counter = field(default_factory=Counter)
     big: list[tuple[str, tuple[int, ...], str, int]] = field(default_factory=list)
     parameter_shaped: int = 0
+    launches: int = 0
+    """Operators that run a kernel (views and other metadata operators aside): on a GPU, one launch each."""
 
 
 class CountingMode(TorchDispatchMode):
@@ -55,9 +58,13 @@ class CountingMode(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if packet in flop_registry:
-            dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
-            self.count.flops[str(dtype).removeprefix("torch.")] += flop_registry[packet](*args, **kwargs, out_val=out)
+        self.count.launches += _launches_a_kernel(func)
+        # in-place products (baddbmm_, addmm_) count as their out-of-place forms
+        counter = flop_registry.get(packet) or flop_registry.get(getattr(torch.ops.aten, packet.__name__.rstrip("_"),
+                                                                         None))
+        if counter is not None:
+            dtype = next(a.dtype for a in args[1:] if isinstance(a, torch.Tensor))  # a product's first factor
+            self.count.flops[str(dtype).removeprefix("torch.")] += counter(*args, **kwargs, out_val=out)
         inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, tuple | list) else (out,):
             # a view of an input (a transposed weight, say) holds no memory of its own
@@ -69,6 +76,17 @@ class CountingMode(TorchDispatchMode):
                 self.count.big.append((str(packet), tuple(t.shape), str(t.dtype).removeprefix("torch."),
                                        t.numel() * t.element_size()))
         return out
+
+
+def _launches_a_kernel(func) -> bool:
+    """Whether an operator runs a kernel: it returns a tensor that is not a view of an input (in-place ones do), or
+    reads a value to the host."""
+    returns = func._schema.returns
+    if func._overloadpacket is torch.ops.aten._local_scalar_dense:
+        return True
+    if not any(str(r.type).startswith("Tensor") for r in returns):
+        return False
+    return not any(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def build_model(s: Setup, dtype: torch.dtype) -> torch.nn.Module:
@@ -103,6 +121,10 @@ def probe(s: Setup, arm: str, dtype: torch.dtype) -> tuple[StepCount, float]:
     count = StepCount()
     with CountingMode(count, {tuple(p.shape) for p in model.parameters()}):
         learner.step(batch)
+    launches = StepCount()  # the learner's passes alone: this CPU's AdamW is not a GPU's foreach one
+    with CountingMode(launches, set()):
+        learner.backward(batch)
+    count.launches = launches.launches
     return count, mem.mib
 
 
@@ -119,13 +141,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a 4k vocabulary, 2 layers, 128 tokens a row")
     ap.add_argument("--arms", default=",".join(PROBE_ARMS), help=f"comma-separated, from {', '.join(PROBE_ARMS)}")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=2, help="rows, in groups of 2 (16: step_overhead's qwen05b)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     if args.quick:
         s = Setup("quick", 256, args.layers, 4, 1024, 4096, 1, 2, 32, 96, kv_heads=2)
     else:
-        s = Setup("qwen05b_probe", 896, args.layers, 14, 4864, 151936, 1, 2, 128, 384, kv_heads=2)
+        s = Setup("qwen05b_probe", 896, args.layers, 14, 4864, 151936, max(1, args.rows // 2), 2, 128, 384, kv_heads=2)
     dtype = getattr(torch, args.dtype)
     arms = args.arms.split(",")
     chunk_bytes = logprobs.CHUNK_LOGITS * 4  # one chunk of float32 logits, as the lean head holds
@@ -139,8 +162,9 @@ def main() -> None:
     base = sum(results[arms[0]][0].flops.values())
     print(f"\n| arm | matmul GFLOP | of which float32 | x {arms[0]} | parameter-shaped tensors >= 200 MB | "
           f"other tensors >= 200 MB | largest other | vocabulary-sized beyond a chunk | RSS rise (MiB) | "
-          f"x {arms[0]} |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"x {arms[0]} | kernel launches (backward) | x {arms[0]} |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    base_launches = results[arms[0]][0].launches
     base_rise = results[arms[0]][1]
     for arm, (count, rise) in results.items():
         total = sum(count.flops.values())
@@ -150,7 +174,8 @@ def main() -> None:
         big = (f"{largest[0]} {list(largest[1])} {largest[2]} ({largest[3] / 2**20:.0f} MiB)"
                if largest else "-")
         print(f"| {arm} | {total / 1e9:.1f} | {fp32 / 1e9:.1f} | {total / base:.2f} | {count.parameter_shaped} | "
-              f"{len(count.big)} | {big} | {len(vocab_big)} | {rise:.0f} | {rise / base_rise:.2f} |")
+              f"{len(count.big)} | {big} | {len(vocab_big)} | {rise:.0f} | {rise / base_rise:.2f} | {count.launches} | "
+              f"{count.launches / base_launches:.2f} |")
     for arm, (count, _) in results.items():
         for op, shape, dt, nbytes in sorted(count.big, key=lambda b: -b[3])[:6]:
             print(f"  {arm}: {op} {list(shape)} {dt} {nbytes / 2**20:.0f} MiB")
