@@ -275,7 +275,11 @@ class LearnerGroup:
                 raise
         metrics, ref, self.skip_reason = answer
         t1 = time.perf_counter()
-        self.mirror(ref)
+        try:
+            self.mirror(ref)
+        except ray.exceptions.RayError:  # the rank that put the weights died since (its objects with it)
+            ref = self._weights_of_a_survivor(f"learner step {self.version + 1}")
+            self.mirror(ref)
         self.version += 1
         self.synced_version = self.version
         if not self.sharded:  # the ranks' object is the whole state: the rollout actors fetch it (else the driver's)
@@ -290,6 +294,17 @@ class LearnerGroup:
             for ref in refs:
                 for key, value in get(ref, self.timeout_s, "the new weights").items():
                     state[key].copy_(value)
+
+    def _weights_of_a_survivor(self, what: str) -> list:
+        """[ref] of the new weights put again by a live rank (every unsharded rank holds them after a finished step),
+        when the rank that put them died after answering; one line when none can (sharded ranks hold shards)."""
+        if not self.sharded:
+            for rank, actor in enumerate(self.actors):
+                try:
+                    return [get(actor.put_weights.remote(), self.timeout_s, f"learner rank {rank}")]
+                except (ray.exceptions.RayError, BackendError):
+                    continue
+        raise BackendError(f"a learner rank died after {what} and its new weights were lost with it")
 
     def _taken_by_a_survivor(self, refs: list) -> tuple | None:
         """After a rank failed during a step: the step's answer (metrics, [weights ref], skip reason) if a surviving
