@@ -36,6 +36,27 @@ def vcpo(*args: str, check: bool = True, python: list[str] | None = None) -> sub
     return proc
 
 
+def patched_cli(patch: str) -> list[str]:
+    """``python`` arguments for ``vcpo(...)`` that apply ``patch`` (Python source injecting a fault), then run the
+    command line."""
+    return ["-c", f"import sys\n{patch}\nfrom vcpo.cli import main\nsys.argv[0] = 'vcpo'\nmain()\n"]
+
+
+NAN_GRADIENT_FROM_STEP_2 = """
+import math
+from vcpo.train.learner import Learner
+backward = Learner.backward
+def backward_with_a_nan(self, batch):
+    metrics = backward(self, batch)
+    if self.version >= 1:
+        next(p for p in self.model.parameters() if p.grad is not None).grad.view(-1)[0] = math.nan
+    return metrics
+Learner.backward = backward_with_a_nan
+"""
+"""A fault for ``patched_cli``: from the second step on, one entry of the gradient is NaN (what a diverging update
+produces, without depending on whether a given lr makes this machine's kernels diverge)."""
+
+
 def metrics(run_dir: Path) -> list[dict]:
     """A run's metric lines ([] before its first one)."""
     path = run_dir / METRICS_FILE

@@ -18,7 +18,7 @@ import pytest
 from vcpo.config import load_config, save_config
 from vcpo.testing.faults import descendants, shm_segments, start_train, wait_for_lines, wait_gone, worker_pids
 
-from conftest import LAGGED, ROOT, metrics, vcpo
+from conftest import LAGGED, NAN_GRADIENT_FROM_STEP_2, ROOT, metrics, patched_cli, vcpo
 
 
 class Run:
@@ -134,29 +134,11 @@ def test_a_failed_resume_leaves_config_yaml_as_it_was(tmp_path):
     assert (run_dir / "config.yaml").read_bytes() == before
 
 
-# `vcpo train` with a fault injected into the learner: from the second step on, one entry of the gradient is NaN
-# (what a diverging update produces, without depending on whether a given lr makes this machine's kernels diverge).
-NAN_GRADIENT_FROM_STEP_2 = """
-import math, sys
-from vcpo.train.learner import Learner
-backward = Learner.backward
-def backward_with_a_nan(self, batch):
-    metrics = backward(self, batch)
-    if self.version >= 1:
-        next(p for p in self.model.parameters() if p.grad is not None).grad.view(-1)[0] = math.nan
-    return metrics
-Learner.backward = backward_with_a_nan
-from vcpo.cli import main
-sys.argv[0] = "vcpo"
-main()
-"""
-
-
 def test_consecutive_non_finite_steps_stop_the_run_and_are_counted(tmp_path, tiny):
     run_dir = tmp_path / "run"
     proc = vcpo("train", *tiny, f"run_dir={run_dir}", "async.mode=sync", "trainer.max_steps=10",
                 "trainer.max_skipped_steps=2", "trainer.checkpoint_every=1", check=False,
-                python=["-c", NAN_GRADIENT_FROM_STEP_2])
+                python=patched_cli(NAN_GRADIENT_FROM_STEP_2))
     summary = json.loads((run_dir / "summary.json").read_text())
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1, proc.stderr

@@ -16,7 +16,7 @@ from vcpo.config import HealthConfig
 from vcpo.errors import HealthAlarm
 from vcpo.train.alarms import RULES, HealthMonitor, accuracy_verdict
 
-from conftest import LAGGED, metrics, vcpo
+from conftest import LAGGED, NAN_GRADIENT_FROM_STEP_2, metrics, patched_cli, vcpo
 
 
 def _line(step: int, **values) -> dict:
@@ -199,22 +199,6 @@ def warm(tmp_path_factory) -> list[str]:
             "logging.progress=false", "async.mode=sync", "trainer.max_steps=8"]
 
 
-def _program(patch: str) -> list[str]:
-    """``python -c`` arguments that apply ``patch`` (Python source), then run the command line."""
-    return ["-c", f"import sys\n{patch}\nfrom vcpo.cli import main\nsys.argv[0] = 'vcpo'\nmain()\n"]
-
-
-NAN_GRADIENT = """
-import math
-from vcpo.train.learner import Learner
-backward = Learner.backward
-def backward_with_a_nan(self, batch):
-    metrics = backward(self, batch)
-    if self.version >= 1:
-        next(p for p in self.model.parameters() if p.grad is not None).grad.view(-1)[0] = math.nan
-    return metrics
-Learner.backward = backward_with_a_nan
-"""
 ZERO_REWARDS_FROM_STEP_3 = """
 import dataclasses
 from vcpo.orchestration.local import SyncSource
@@ -234,7 +218,7 @@ engine.sample_next = uniform
 """
 EDGES = {"lr_1e1": (["trainer.lr=1e1"], None), "lr_1e2": (["trainer.lr=1e2"], None),
          "lr_1e3": (["trainer.lr=1e3"], None), "lr_1e4": (["trainer.lr=1e4"], None),
-         "nan_gradient": ([], NAN_GRADIENT), "zero_rewards_from_step_3": ([], ZERO_REWARDS_FROM_STEP_3),
+         "nan_gradient": ([], NAN_GRADIENT_FROM_STEP_2), "zero_rewards_from_step_3": ([], ZERO_REWARDS_FROM_STEP_3),
          "uniform_sampler": ([], UNIFORM_SAMPLER)}
 """Ways to push a run over the edge: whichever way this CPU and BLAS diverge at a high learning rate (NaN, uniform
 or deterministic), each must raise an alarm."""
@@ -246,7 +230,7 @@ def test_a_run_pushed_over_the_edge_alarms_within_5_steps_and_stop_keeps_only_he
     overrides, patch = EDGES[edge]
     run = tmp_path / "run"
     proc = vcpo("train", *warm, *overrides, f"run_dir={run}", "trainer.on_alarm=stop", "trainer.max_skipped_steps=9",
-                check=False, python=_program(patch) if patch else None)
+                check=False, python=patched_cli(patch) if patch else None)
     assert proc.returncode == HealthAlarm.EXIT_CODE == 3, proc.stderr
     stopped = metrics(run)[-1]["step"]
     assert stopped <= 5 and f"health alarm at step {stopped}: " in proc.stderr, proc.stderr
@@ -284,7 +268,7 @@ def test_the_issues_run_warns_and_its_summary_says_it_ended_worse(tmp_path, warm
 # A fault injected into the learner: from step 3 on, one gradient entry is NaN while the learning rate is above 6e-4
 # (a step that diverges at a high rate only), so that halving the tiny config's 1e-3 cures it.
 NAN_GRADIENT_AT_HIGH_LR = """
-import math, sys
+import math
 from vcpo.train.learner import Learner
 backward = Learner.backward
 def backward_with_a_nan(self, batch):
@@ -293,16 +277,13 @@ def backward_with_a_nan(self, batch):
         next(p for p in self.model.parameters() if p.grad is not None).grad.view(-1)[0] = math.nan
     return metrics
 Learner.backward = backward_with_a_nan
-from vcpo.cli import main
-sys.argv[0] = "vcpo"
-main()
 """
 
 
 def test_rollback_halves_the_learning_rate_and_recovers(tmp_path, tiny):
     run = tmp_path / "run"
     proc = vcpo("train", *tiny, f"run_dir={run}", "async.mode=sync", "trainer.max_steps=8", "trainer.on_alarm=rollback",
-                "trainer.health.disabled=[accuracy_fall]", python=["-c", NAN_GRADIENT_AT_HIGH_LR])
+                "trainer.health.disabled=[accuracy_fall]", python=patched_cli(NAN_GRADIENT_AT_HIGH_LR))
     assert "health alarm at step 3: nonfinite" in proc.stderr
     assert "health: rolled back to step 1 (step_000001) after the health alarm (nonfinite) at step 3; learning rate " \
            "0.001 -> 0.0005 (rollback 1 of at most 3)" in proc.stderr

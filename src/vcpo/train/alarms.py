@@ -150,6 +150,11 @@ class HealthMonitor:
         self.metrics |= {f"health/alarm_{rule}": float(rule in self.firing) for rule in RULES}
         return alarms
 
+    def _streak(self, name: str, holds: bool) -> int:
+        """Steps in a row a rule's condition has held, this one included (0 when it does not)."""
+        setattr(self, name, getattr(self, name) + 1 if holds else 0)
+        return getattr(self, name)
+
     def _nonfinite(self, metrics: dict[str, Any], step: int, reason: str | None) -> Alarm | None:
         if not metrics.get("skipped_step"):
             return None
@@ -159,8 +164,7 @@ class HealthMonitor:
         c = self.config
         grad = metrics.get("grad_norm")
         dead = entropy is not None and entropy < c.dead_entropy and _finite(grad) and grad < c.dead_grad_norm
-        self.dead_streak = self.dead_streak + 1 if dead else 0
-        if self.dead_streak < c.dead_steps:
+        if self._streak("dead_streak", dead) < c.dead_steps:
             return None
         return Alarm("dead_policy", step, step - self.dead_streak - 1,
                      f"sampled-token entropy {entropy:.2g} < {c.dead_entropy:g} and gradient norm {grad:.2g} < "
@@ -175,8 +179,7 @@ class HealthMonitor:
             self.entropy_start = entropy
         near_uniform = self.uniform_entropy is not None and entropy >= self.uniform_entropy
         risen = entropy - self.entropy_start > c.entropy_rise
-        self.uniform_streak = self.uniform_streak + 1 if near_uniform or risen else 0
-        if self.uniform_streak < c.uniform_steps:
+        if self._streak("uniform_streak", near_uniform or risen) < c.uniform_steps:
             return None
         of_uniform = (f" ({entropy / (self.uniform_entropy / c.uniform_frac):.0%} of a uniform policy's)"
                       if self.uniform_entropy is not None else "")
@@ -190,8 +193,7 @@ class HealthMonitor:
         c = self.config
         zero_var, grad = metrics.get("reward/zero_var_group_frac"), metrics.get("grad_norm")
         silent = _finite(zero_var) and zero_var >= 1.0 and _finite(grad) and grad < c.dead_grad_norm
-        self.silent_streak = self.silent_streak + 1 if silent else 0
-        if self.silent_streak < c.no_signal_steps:
+        if self._streak("silent_streak", silent) < c.no_signal_steps:
             return None
         return Alarm("no_signal", step, step - self.silent_streak - 1,
                      f"every group's rewards were equal (mean reward {metrics.get('reward/mean', math.nan):.3g}) and "
