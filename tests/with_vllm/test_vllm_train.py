@@ -1,7 +1,8 @@
 """`vcpo train` with real vLLM servers that it launches itself (`make test-vllm`; skipped where vllm is not
 installed): a sync run of 15 steps on the tied-embedding default model whose mismatch stays within 1e-4, then an async
 run with in-flight updates on two servers, one killed mid-run (the other carries on, versions per token, the bound
-held), and the trainer killed with SIGKILL (no process of either server tree left)."""
+held), and the trainer killed with SIGKILL (no process of either server tree left); an async run whose learner is two
+FSDP2-sharded ranks."""
 
 from __future__ import annotations
 
@@ -70,6 +71,21 @@ def test_a_sync_run_of_15_steps_keeps_the_tied_model_within_1e4_of_the_learner(s
     mismatch = [m["mismatch/logprob_abs_max"] for m in lines]  # every step: sampled at the learner's weights
     assert max(mismatch) <= 1e-4, mismatch  # a stale tied head drifted to 0.1 by step 18 (issue 25)
     assert "held-out accuracy" in log.read_text() and wait_gone(str(sft_model), 10) == []
+
+
+def test_a_sharded_learner_group_feeds_vllm_in_an_async_run(sft_model, tmp_path):
+    """Two FSDP2 learner ranks (trainer.sharding: fsdp) behind an async run on a launched vLLM server: each version's
+    weights, gathered a layer at a time into the driver's mirror, reach the server and pass its weight check (a
+    server that kept stale weights stops the run); tokens sampled at the learner's weights agree to 1e-4."""
+    log = tmp_path / "train.log"
+    proc = start(train(sft_model, tmp_path / "run", 1, "async.mode=async", "async.max_staleness=1",
+                       "trainer.max_steps=6", "trainer.num_learners=2", "trainer.sharding=fsdp"), log)
+    assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
+    lines = metrics(tmp_path / "run")
+    assert [m["step"] for m in lines] == list(range(1, 7)) and max(m["staleness/max"] for m in lines) <= 1
+    mismatch = [m["mismatch/logprob_abs_max"] for m in lines if "mismatch/logprob_abs_max" in m]
+    assert mismatch and max(mismatch) <= 1e-4, mismatch
+    assert wait_gone(str(sft_model), 10) == []
 
 
 def test_async_in_flight_updates_survive_a_killed_server_and_a_killed_trainer_leaves_nothing(sft_model, tmp_path):
