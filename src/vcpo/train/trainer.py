@@ -530,8 +530,7 @@ class _Job:
         to fail (finite, yet producing NaN): set it aside so that a resume starts from the one before."""
         suspect = self.learner.version - self.health.consecutive_skipped
         if self.health.consecutive_skipped and self.saved_step == suspect > 0:
-            kept = set_aside(self.run_dir, suspect)
-            self.saved_step = int(kept.name.split("_")[1]) if kept is not None else 0
+            self._set_aside(suspect)
             say(f"warning: set aside the checkpoint of step {suspect}, written just before the skipped steps")
 
     def set_aside_after(self, last_good: int) -> None:
@@ -539,11 +538,15 @@ class _Job:
         set aside (``step_N.suspect``, never resumed from), so that ``latest`` names the last healthy one."""
         suspects = [step for step, _ in complete_checkpoints(self.run_dir) if step > last_good]
         for step in reversed(suspects):
-            kept = set_aside(self.run_dir, step)
-            self.saved_step = int(kept.name.split("_")[1]) if kept is not None else 0
+            self._set_aside(step)
         if suspects:
             say(f"health: set aside the checkpoints of step{'s' if len(suspects) > 1 else ''} "
                 f"{', '.join(map(str, suspects))}: the alarm suspects their weights")
+
+    def _set_aside(self, step: int) -> None:
+        """Step ``step``'s checkpoint set aside; the newest one left is the one a resume starts from."""
+        kept = set_aside(self.run_dir, step)
+        self.saved_step = int(kept.name.split("_")[1]) if kept is not None else 0
 
     def checkpoint_after_crash(self) -> None:
         """On an unexpected error, keep every finished step if possible, without hiding the error itself."""

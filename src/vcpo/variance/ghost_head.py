@@ -96,9 +96,20 @@ def _token_blocks(n_rows: int, n: int, vocab: int) -> tuple[int, int]:
     return max(1, CHUNK_LOGITS // max(1, n * v_chunk)), v_chunk
 
 
+def _target_slot(targets_bn: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
+    """``(in_chunk_bn, idx_bn1)``: whether each token's target falls in the vocabulary slice ``[v0, v1)``, and its
+    index there (clamped when it does not)."""
+    return (targets_bn >= v0) & (targets_bn < v1), (targets_bn - v0).clamp(0, v1 - v0 - 1)[..., None]
+
+
+def _zero_targets(x_bnV: Tensor, in_chunk_bn: Tensor, idx_bn1: Tensor) -> None:
+    """Zero, in place, each token's target entry in a slice of the vocabulary (where it falls there)."""
+    x_bnV.scatter_(-1, idx_bn1, x_bnV.gather(-1, idx_bn1) * (~in_chunk_bn)[..., None])
+
+
 def _head_pass(
-    head: nn.Linear, hidden_bnD: Tensor, targets_bn: Tensor, valid_bn: Tensor, temperature: float,
-    compute: torch.dtype, want_grad_h: bool, want_gram: bool,
+    head: nn.Linear, hidden_bnD: Tensor, targets_bn: Tensor, temperature: float, compute: torch.dtype,
+    want_grad_h: bool, want_gram: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor]:
     """One online pass over the vocabulary for a block of rows: ``(lse, z[target], W^T q (x l), q . q Gram (x l l),
     l)`` with ``l = sum_v exp(z_v - m)`` at the final running max m, so that ``p_v = exp(z_v - m) / l``. Padded
@@ -115,8 +126,7 @@ def _head_pass(
     for v0 in range(0, vocab, v_chunk):
         v1 = min(vocab, v0 + v_chunk)
         z = _logits(head, hidden_bnD, v0, v1, compute, temperature)
-        in_chunk = (targets_bn >= v0) & (targets_bn < v1)
-        idx = (targets_bn - v0).clamp(0, v1 - v0 - 1)[..., None]
+        in_chunk, idx = _target_slot(targets_bn, v0, v1)
         z_target = torch.where(in_chunk, z.gather(-1, idx).squeeze(-1), z_target)
         m_new = torch.maximum(m, z.amax(-1))
         alpha = torch.exp(m - m_new)  # 0 on the first chunk (m = -inf)
@@ -125,8 +135,7 @@ def _head_pass(
         m = m_new
         if o_bnD is None and gram_bnn is None:
             continue
-        # q: the target's entry zeroed (padded slots are zeroed once, after the pass, by whoever reads them)
-        e.scatter_(-1, idx, e.gather(-1, idx) * (~in_chunk)[..., None])
+        _zero_targets(e, in_chunk, idx)  # q (padded slots are zeroed after the pass, by whoever reads them)
         e_c = e.to(compute)
         if o_bnD is not None:
             o_bnD.mul_(alpha[..., None]).add_(torch.matmul(e_c, head.weight[v0:v1].detach().to(compute)).to(acc))
@@ -159,8 +168,12 @@ def _gg(term_tensors: tuple[Tensor, ...], gram_bnn: Tensor, l_bn: Tensor, z_st: 
     return gg * (vf[:, :, None] * vf[:, None, :]) / temperature**2
 
 
-def _row_head_sq(gg_bnn: Tensor, hidden_bnD: Tensor, compute: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Per row: ``sum_{t,s} (g_t . g_s)(h_t . h_s)`` (weight) and ``sum_{t,s} g_t . g_s`` (bias)."""
+def _row_head_sq(head: nn.Linear, hidden_bnD: Tensor, term_tensors: tuple[Tensor, ...], gram_bnn: Tensor,
+                 l_bn: Tensor, compute: torch.dtype, temperature: float) -> tuple[Tensor, Tensor]:
+    """Per row of a block, from its pass's Gram: ``sum_{t,s} (g_t . g_s)(h_t . h_s)`` (weight) and
+    ``sum_{t,s} g_t . g_s`` (bias); ``term_tensors`` are the block's (targets, valid, lse, a)."""
+    z_st = _target_logits(head, hidden_bnD, term_tensors[0], compute, temperature)
+    gg_bnn = _gg(term_tensors, gram_bnn, l_bn, z_st, temperature)
     h = hidden_bnD.to(compute)
     hh = torch.bmm(h, h.transpose(1, 2)).to(gg_bnn.dtype)
     return (gg_bnn * hh).sum((1, 2)), gg_bnn.sum((1, 2))
@@ -186,11 +199,10 @@ def _block_norms(term: HeadTerm, rows: Tensor) -> tuple[Tensor, Tensor]:
     weight_sq, bias_sq = [], []
     for start in range(0, len(rows), per_block):
         r = rows[start : start + per_block]
-        h, targets, valid = term.hidden_BnD[r], term.targets_Bn[r], term.valid_Bn[r]
-        lse, _, _, gram, l_bn = _head_pass(term.head, h, targets, valid, term.temperature, compute, False, True)
-        z_st = _target_logits(term.head, h, targets, compute, term.temperature)
-        gg = _gg((targets, valid, lse, term.a_Bn[r]), gram, l_bn, z_st, term.temperature)
-        w, b = _row_head_sq(gg, h, compute)
+        h, targets = term.hidden_BnD[r], term.targets_Bn[r]
+        lse, _, _, gram, l_bn = _head_pass(term.head, h, targets, term.temperature, compute, False, True)
+        w, b = _row_head_sq(term.head, h, (targets, term.valid_Bn[r], lse, term.a_Bn[r]), gram, l_bn, compute,
+                            term.temperature)
         weight_sq.append(w)
         bias_sq.append(b)
     return torch.cat(weight_sq), torch.cat(bias_sq)
@@ -236,10 +248,7 @@ def head_weighted_grads(term: HeadTerm, coef_B: Tensor, want_bias: bool) -> tupl
             r1 = min(B, r0 + per_block)
             z = _logits(head, term.hidden_BnD[r0:r1], v0, v1, compute, term.temperature)
             q = torch.exp(z.sub_(term.lse_Bn[r0:r1, :, None]))
-            t = term.targets_Bn[r0:r1]
-            in_chunk = (t >= v0) & (t < v1)
-            idx = (t - v0).clamp(0, v1 - v0 - 1)[..., None]
-            q.scatter_(-1, idx, q.gather(-1, idx) * (~in_chunk)[..., None])
+            _zero_targets(q, *_target_slot(term.targets_Bn[r0:r1], v0, v1))
             grad_c -= (q.to(compute).reshape(-1, v1 - v0).T @ ch[r0:r1].reshape(-1, D)).to(acc)
             if grad_b is not None:
                 grad_b[v0:v1] -= (q * c_Bn[r0:r1, :, None]).sum((0, 1))
@@ -270,6 +279,7 @@ class _HeadScore(torch.autograd.Function):
         valid_Bn[slot_rows_N, slot_cols_N] = True
         lse_Bn = torch.zeros(n_rows, n, dtype=acc, device=dev)
         lp_Bn = torch.zeros(n_rows, n, dtype=acc, device=dev)
+        a_Bn = torch.zeros(n_rows, n, dtype=acc, device=dev)
         gh_BnD = hidden_ND.new_zeros(n_rows, n, D)
         head_sq = torch.zeros(n_rows, dtype=acc, device=dev)
         bias_sq = torch.zeros(n_rows, dtype=acc, device=dev)
@@ -280,18 +290,15 @@ class _HeadScore(torch.autograd.Function):
             h, t, v = hidden_BnD[r0:r1], targets_Bn[r0:r1], valid_Bn[r0:r1]
             gram_rows = gram_B[r0:r1]
             want_gram = bool(gram_rows.any())
-            lse, z_t, o_bnD, gram, l_bn = _head_pass(head, h, t, v, temperature, compute, True, want_gram)
+            lse, z_t, o_bnD, gram, l_bn = _head_pass(head, h, t, temperature, compute, True, want_gram)
             lp = (z_t - lse) * v
             a = -torch.expm1(lp)
-            lse_Bn[r0:r1], lp_Bn[r0:r1] = lse, lp
+            lse_Bn[r0:r1], lp_Bn[r0:r1], a_Bn[r0:r1] = lse, lp, a
             # grad_h lp_t = W^T g_t = (a_t W[y_t] - W^T q_t) / T
             gh = (a[..., None] * w[t].to(acc) - o_bnD / l_bn[..., None]) * v[..., None].to(acc)
             gh_BnD[r0:r1] = (gh / temperature).to(gh_BnD.dtype)
             if want_gram:
-                z_st = _target_logits(head, h, t, compute, temperature)
-                gg = _gg((t, v, lse, a), gram, l_bn, z_st, temperature)
-                head_sq[r0:r1], bias_sq[r0:r1] = _row_head_sq(gg, h, compute)
-        a_Bn = -torch.expm1(lp_Bn)
+                head_sq[r0:r1], bias_sq[r0:r1] = _row_head_sq(head, h, (t, v, lse, a), gram, l_bn, compute, temperature)
         out.append(HeadTerm(head, hidden_BnD, targets_Bn, valid_Bn, lse_Bn, a_Bn, head_sq, bias_sq, gram_B.clone(),
                             temperature, fp32))
         ctx.save_for_backward(gh_BnD, slot_rows_N, slot_cols_N)
