@@ -100,4 +100,13 @@ STUDY2 = Grid(
 STUDY2_MISMATCH = Grid(arms=["grpo", "vcpo", "vcpo_gonly", "vcpo_ess_only"], ks=[0, 16], seeds=[0, 1, 2, 3],
                        base_config="configs/staleness_study.yaml", overrides=["rollout.study_mismatch_std=0.6"],
                        warm_starts=STUDY2.warm_starts)
-GRIDS = {"study2": STUDY2, "study1": STUDY1, "quick": QUICK, "study2_mismatch": STUDY2_MISMATCH}
+# study3 (issue 37): the tool task of configs/tools.yaml (multi-turn SimpleTIR-format products, every tool call a
+# real sandbox run), lagged, at the shipped learning rate 3e-4 for every arm. Two pinned warm starts (SFT seeds 0
+# and 1: held-out 0.660 and 0.380). Steps and the cut: benchmarks/staleness/study3/README.md.
+STUDY3 = Grid(
+    arms=["grpo", "vcpo", "vcpo_gonly", "vespo"], ks=[0, 4, 16, 64], seeds=[0, 1, 2], base_config="configs/tools.yaml",
+    overrides=["trainer.max_steps=40", "trainer.eval_every=10", "task.eval_size=200", "trainer.checkpoint_every=0"],
+    warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts_tools/w0", "2f2ffd81b9078568"),
+                 "w1": WarmStartPin("benchmarks/staleness/warm_starts_tools/w1", "1bbcb853cbca9192")},
+)
+GRIDS = {"study2": STUDY2, "study3": STUDY3, "study1": STUDY1, "quick": QUICK, "study2_mismatch": STUDY2_MISMATCH}
