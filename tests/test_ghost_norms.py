@@ -326,6 +326,20 @@ def test_the_chunked_head_matches_exact_for_every_model(chunked_head, dtype):
         torch.testing.assert_close(capture.logprobs_BT, lean_BT.detach(), rtol=0, atol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("gram", [True, False])
+def test_the_chunked_path_pools_weights_and_vectors_exactly(monkeypatch, chunked_head, dtype, gram):
+    """The chunked path sums its norms pooled (q/k/v materialised side by side when they are half precision, norm
+    weights and biases side by side): equal to the exact norms in either form of the dense weights."""
+    monkeypatch.setattr(ghost_layers, "prefer_gram", lambda *_: gram)
+    for which in ("qwen2_tied", "llama"):
+        model = _lean_models(dtype)[which]
+        G_B, capture = per_row_grad_capture(model, INPUT_IDS, RESPONSE, ATTENTION)
+        assert capture.lengths_B is not None, which
+        exact = trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, ATTENTION, method="exact")
+        assert rel_err(G_B, exact) < TOLERANCE[dtype], which
+
+
 def _weighted_score_grads(model: nn.Module, coef_B: torch.Tensor) -> dict[str, torch.Tensor]:
     """Autograd's gradient of ``sum_b coef_b score_b`` (the lean path's log-probs), in float64."""
     model.zero_grad()

@@ -40,8 +40,11 @@ from torch import Tensor, nn
 CHUNK_LOGITS = 1 << 26
 """Logits per chunk (256 MiB in float32; a pass holds about three such tensors): a block of tokens times a slice of
 the vocabulary. Large, so that a batch takes few chunks: each is some thirty kernel launches on a GPU."""
-VOCAB_CHUNK = 16384
-"""Vocabulary slice of a chunk; the block of tokens fills the rest of ``CHUNK_LOGITS``."""
+VOCAB_CHUNK_MIN = 4096
+"""The narrowest vocabulary slice: a batch too long for all its tokens to share one block of wider slices is cut
+into blocks of rows instead."""
+VOCAB_CHUNK: int | None = None
+"""A fixed vocabulary slice (tests force small ones); None: the widest that fits all rows in one block."""
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -73,6 +76,26 @@ class HeadTerm:
         return HeadTerm(self.head, **pick, temperature=self.temperature, fp32=self.fp32, part=self.part)
 
 
+_WIDE_OUT: dict[torch.device, bool] = {}
+
+
+def bmm_widened(a: Tensor, b: Tensor) -> Tensor:
+    """``bmm(a, b)`` held in at least float32. Half-precision factors on CUDA give a float32 result from the one
+    kernel (cuBLAS accumulates in float32 anyway; ``out_dtype``), saving the rounding and a cast's launch;
+    elsewhere the product is rounded to the factors' dtype, then widened."""
+    wide = torch.promote_types(a.dtype, torch.float32)
+    if a.is_cuda and a.dtype in _HALF:
+        if a.device not in _WIDE_OUT:  # out_dtype arrived in torch 2.8 and not on every build: tried once
+            try:
+                torch.bmm(a[:1, :1], b[:1, :, :1], out_dtype=torch.float32)
+                _WIDE_OUT[a.device] = True
+            except (RuntimeError, TypeError, NotImplementedError):
+                _WIDE_OUT[a.device] = False
+        if _WIDE_OUT[a.device]:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a, b).to(wide)
+
+
 def _compute_dtype(head: nn.Linear, fp32: bool) -> torch.dtype:
     return torch.float32 if fp32 and head.weight.dtype in _HALF else head.weight.dtype
 
@@ -91,9 +114,11 @@ def _logits(head: nn.Linear, hidden: Tensor, v0: int, v1: int, compute: torch.dt
 
 
 def _token_blocks(n_rows: int, n: int, vocab: int) -> tuple[int, int]:
-    """(rows per block, vocabulary slice) with rows x n x slice <= CHUNK_LOGITS."""
-    v_chunk = min(vocab, VOCAB_CHUNK)
-    return max(1, CHUNK_LOGITS // max(1, n * v_chunk)), v_chunk
+    """(rows per block, vocabulary slice) with rows x n x slice <= CHUNK_LOGITS (or one row and the narrowest
+    slice): all rows in one block where the slice can stay at least ``VOCAB_CHUNK_MIN`` wide, since the number of
+    (block, slice) passes, some thirty launches each, is what a GPU pays for."""
+    v_chunk = min(vocab, VOCAB_CHUNK or max(VOCAB_CHUNK_MIN, CHUNK_LOGITS // max(1, n_rows * n)))
+    return max(1, min(n_rows, CHUNK_LOGITS // max(1, n * v_chunk))), v_chunk
 
 
 def _target_slot(targets_bn: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
@@ -140,7 +165,7 @@ def _head_pass(
         if o_bnD is not None:
             o_bnD.mul_(alpha[..., None]).add_(torch.matmul(e_c, head.weight[v0:v1].detach().to(compute)).to(acc))
         if gram_bnn is not None:
-            gram_bnn.mul_(alpha[:, :, None] * alpha[:, None, :]).add_(torch.bmm(e_c, e_c.transpose(1, 2)).to(acc))
+            gram_bnn.mul_(alpha[:, :, None] * alpha[:, None, :]).add_(bmm_widened(e_c, e_c.transpose(1, 2)).to(acc))
     lse = m + torch.log(l_bn)
     return lse, z_target, o_bnD, gram_bnn, l_bn
 

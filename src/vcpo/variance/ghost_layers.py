@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vcpo.variance.ghost_head import HeadTerm, head_sq_norms, head_weighted_grads, tied_cross
+from vcpo.variance.ghost_head import HeadTerm, bmm_widened, head_sq_norms, head_weighted_grads, tied_cross
 
 # Per-row-chunk working-set bound (elements) for token Grams and materialised per-row gradients.
 _CHUNK_ELEMENTS = 1 << 24
@@ -387,7 +387,7 @@ def _cached_gram(x: Tensor, chunk: RowChunk, dtype: torch.dtype, cache: dict[tup
     key = _factor_key(x)
     if key not in cache:
         xr = _cut(x, chunk).to(dtype)
-        cache[key] = torch.bmm(xr, xr.transpose(1, 2)).to(_compute_dtype(xr))
+        cache[key] = bmm_widened(xr, xr.transpose(1, 2))
     return cache[key]
 
 
@@ -467,6 +467,9 @@ def total_sq_norms(
     else:
         lengths = [int(n) for n in lengths_B.tolist()]
     mean_length = sum(lengths) / max(n_rows, 1)
+    if lengths_B is not None:  # the chunked path: pooled by shape of work (a launch per parameter adds up on a GPU)
+        pooled_B = _pooled_sq_norms(items, lengths, mean_length)
+        return total_B if pooled_B is None else total_B + pooled_B.double()
     pooled: dict[torch.dtype, list[MatrixTerm]] = {}
     per_param: list[Tensor] = []
     for param, terms in items:
@@ -476,11 +479,55 @@ def total_sq_norms(
         else:
             per_param.append(sq_norms(param, terms, lengths))
     per_param += [shared_gram_sq_norms(terms, dtype, lengths).double() for dtype, terms in pooled.items()]
-    if lengths_B is not None:  # the chunked path: one sum (a launch per parameter adds up on a GPU)
-        return total_B + torch.stack(per_param).sum(0) if per_param else total_B
     for part in per_param:  # the full path keeps its order of sums (and its float results)
         total_B += part
     return total_B
+
+
+def _pooled_sq_norms(
+    items: list[tuple[nn.Parameter, list[Term]]], lengths: list[int], mean_length: float
+) -> Tensor | None:
+    """[B] (None without parameters) sum over parameters of each row's squared gradient norm, with as few kernel
+    launches as the algebra allows: dense single-call weights by token Grams (one Gram per shared factor), or
+    materialised together where they read one input (q/k/v: their output gradients side by side, one product and
+    one norm), one-call vectors (norm weights, biases) side by side, one sum per accumulation dtype at the end."""
+    grams: dict[torch.dtype, list[MatrixTerm]] = {}
+    materialised: dict[tuple, list[MatrixTerm]] = {}
+    vectors: dict[torch.dtype, list[Tensor]] = {}
+    parts: list[Tensor] = []
+    for param, terms in items:
+        term = dense_single_term(param, terms)
+        if term is not None and prefer_gram(mean_length, *param.shape):
+            grams.setdefault(_matmul_dtype(param, term.left, term.right_BNC), []).append(term)
+        elif term is not None and (mm := _matmul_dtype(param, term.left, term.right_BNC)) in _HALF:
+            materialised.setdefault((_factor_key(term.right_BNC), mm), []).append(term)
+        elif len(terms) == 1 and isinstance(terms[0], VectorTerm):
+            grad = terms[0].grad_BP
+            vectors.setdefault(grad.dtype, []).append(grad)
+        else:
+            parts.append(sq_norms(param, terms, lengths))
+    parts += [shared_gram_sq_norms(terms, dtype, lengths) for dtype, terms in grams.items()]
+    parts += [_shared_materialised_sq_norms(terms, dtype, lengths) for (_, dtype), terms in materialised.items()]
+    parts += [torch.cat(grads, 1).square().sum(1) for grads in vectors.values()]
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for part in parts:
+        by_dtype.setdefault(part.dtype, []).append(part)
+    sums = [torch.stack(group).sum(0) if len(group) > 1 else group[0] for group in by_dtype.values()]
+    if not sums:
+        return None
+    return sums[0] if len(sums) == 1 else sum(x.double() for x in sums)
+
+
+def _shared_materialised_sq_norms(terms: list[MatrixTerm], dtype: torch.dtype, lengths: list[int]) -> Tensor:
+    """[B] ``sum_terms ||sum_n l_n r_n^T||^2`` of half-precision weights that share their right factor (the input
+    of q/k/v): the left factors side by side make one [rows of all, C] product a row, squared and summed in float32."""
+    right = terms[0].right_BNC
+    left = torch.cat([t.left for t in terms], -1) if len(terms) > 1 else terms[0].left
+    chunks = []
+    for chunk in row_chunks(lengths, left.shape[-1] * right.shape[-1]):
+        grad_bRC = torch.bmm(_cut(left, chunk).to(dtype).transpose(1, 2), _cut(right, chunk).to(dtype))
+        chunks.append(torch.linalg.vector_norm(grad_bRC, dim=(1, 2), dtype=torch.float32).square())
+    return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
 
 
 def weighted_grads(
