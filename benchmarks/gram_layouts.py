@@ -2,9 +2,11 @@
 against a plain matrix product of the same FLOPs: the fast OPOB norms spend their matrix time in such Grams, and
 a GPU's batched-GEMM heuristics do not always pick its best kernel for them.
 
-Layouts: ``bmm(x, x^T)`` (a transposed view of the same tensor, as ghost_layers asks), ``bmm(x, copy of x^T)``
-(the copy included), the same in float16, and the product in float32 (TF32 allowed); the reference is ``mm`` of
-[B n, d] by [d, n] (the same FLOPs). Median of ``--repeats`` after a warm-up, in TFLOP/s.
+Layouts: ``bmm(x, x^T)`` (a transposed view of the same tensor, as ghost_layers asks), the same with a float32
+result from the kernel (``out_dtype``, where the build has it), ``bmm(x, copy of x^T)`` (the copy included), the
+product of the d-major copy ``x^T`` with itself (``(x^T)^T x^T``, the copy included), the same in float16, and the
+product in float32 (TF32 allowed); the reference is ``mm`` of [B n, d] by [d, n] (the same FLOPs). Median of
+``--repeats`` after a warm-up, in TFLOP/s.
 
     python benchmarks/gram_layouts.py --device cuda
     python benchmarks/gram_layouts.py --device cpu --shapes 4x128x256
@@ -46,13 +48,18 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device {args.device} ({name}), torch {torch.__version__}; TFLOP/s (median of {args.repeats})")
-    print(f"{'B x n x d':<16}{'bmm(x, x^T)':>13}{'x^T copied':>12}{'float16':>10}{'float32':>10}{'mm, same':>10}")
+    print(f"{'B x n x d':<16}{'bmm(x, x^T)':>13}{'out f32':>10}{'x^T copied':>12}{'d-major':>10}{'float16':>10}"
+          f"{'float32':>10}{'mm, same':>10}")
     for shape in args.shapes.split(","):
         B, n, d = map(int, shape.split("x"))
-        rates = {k: 2 * B * n * n * d / timed(fn, args.device, args.repeats) / 1e12
-                 for k, fn in layouts(B, n, d, args.device).items()}
-        print(f"{shape:<16}{rates['view']:>13.1f}{rates['copied']:>12.1f}{rates['float16']:>10.1f}"
-              f"{rates['float32']:>10.1f}{rates['mm']:>10.1f}")
+        rates = {}
+        for k, fn in layouts(B, n, d, args.device).items():
+            try:
+                rates[k] = 2 * B * n * n * d / timed(fn, args.device, args.repeats) / 1e12
+            except (RuntimeError, TypeError, NotImplementedError):  # out_dtype: not on every build or device
+                rates[k] = float("nan")
+        print(f"{shape:<16}{rates['view']:>13.1f}{rates['out_f32']:>10.1f}{rates['copied']:>12.1f}"
+              f"{rates['d_major']:>10.1f}{rates['float16']:>10.1f}{rates['float32']:>10.1f}{rates['mm']:>10.1f}")
 
 
 def layouts(B: int, n: int, d: int, device: str) -> dict[str, Callable[[], torch.Tensor]]:
@@ -62,6 +69,8 @@ def layouts(B: int, n: int, d: int, device: str) -> dict[str, Callable[[], torch
     flat, right = x.reshape(B * n, d), torch.randn(d, n, device=device, dtype=torch.bfloat16)
     return {
         "view": lambda: torch.bmm(x, x.transpose(1, 2)),
+        "out_f32": lambda: torch.bmm(x, x.transpose(1, 2), out_dtype=torch.float32),
+        "d_major": lambda: (lambda xt: torch.bmm(xt.transpose(1, 2), xt))(x.transpose(1, 2).contiguous()),
         "copied": lambda: torch.bmm(x, x.transpose(1, 2).contiguous()),
         "float16": lambda: torch.bmm(x16, x16.transpose(1, 2)),
         "float32": lambda: torch.bmm(x32, x32.transpose(1, 2)),

@@ -76,6 +76,13 @@ class HeadTerm:
         return HeadTerm(self.head, **pick, temperature=self.temperature, fp32=self.fp32, part=self.part)
 
 
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of 8. A matrix dimension that is not (a row of 383 tokens, a vocabulary slice
+    of 10,922) sends cuBLAS to slow unaligned kernels (sm75 cutlass on an H100, 3-6x slower); the extra token
+    slots are padding whose gradient is zero, so they change no norm."""
+    return -(-n // 8) * 8
+
+
 _WIDE_OUT: dict[torch.device, bool] = {}
 
 
@@ -117,7 +124,8 @@ def _token_blocks(n_rows: int, n: int, vocab: int) -> tuple[int, int]:
     """(rows per block, vocabulary slice) with rows x n x slice <= CHUNK_LOGITS (or one row and the narrowest
     slice): all rows in one block where the slice can stay at least ``VOCAB_CHUNK_MIN`` wide, since the number of
     (block, slice) passes, some thirty launches each, is what a GPU pays for."""
-    v_chunk = min(vocab, VOCAB_CHUNK or max(VOCAB_CHUNK_MIN, CHUNK_LOGITS // max(1, n_rows * n)))
+    widest = max(VOCAB_CHUNK_MIN, CHUNK_LOGITS // max(1, n_rows * n)) // 128 * 128  # aligned: see ``aligned``
+    v_chunk = min(vocab, VOCAB_CHUNK or widest)
     return max(1, min(n_rows, CHUNK_LOGITS // max(1, n * v_chunk))), v_chunk
 
 
@@ -353,7 +361,7 @@ def head_capture(
     if gram_B is None:
         gram_B = torch.full((B,), trainable, dtype=torch.bool, device=input_ids.device)
     out: list[HeadTerm] = []
-    lp_N = _HeadScore.apply(hidden_BSD[rows, cols], head, rows, slots, B, max(n, 1), input_ids[rows, cols + 1],
+    lp_N = _HeadScore.apply(hidden_BSD[rows, cols], head, rows, slots, B, aligned(max(n, 1)), input_ids[rows, cols + 1],
                             temperature, fp32, gram_B & trainable, out)
     lp_BS = lp_N.new_zeros(B, S).index_put((rows, cols + 1), lp_N)
     return lp_BS, out[0]

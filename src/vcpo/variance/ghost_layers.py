@@ -20,7 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vcpo.variance.ghost_head import HeadTerm, bmm_widened, head_sq_norms, head_weighted_grads, tied_cross
+from vcpo.variance.ghost_head import (
+    HeadTerm,
+    aligned,
+    bmm_widened,
+    head_sq_norms,
+    head_weighted_grads,
+    tied_cross,
+)
 
 # Per-row-chunk working-set bound (elements) for token Grams and materialised per-row gradients.
 _CHUNK_ELEMENTS = 1 << 24
@@ -227,8 +234,9 @@ def _left_gram(left_i: Tensor, left_j: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _cut(x: Tensor, chunk: RowChunk) -> Tensor:
-    """Rows ``chunk.rows`` of a [B, N, ...] factor (or [B, N] ids), their first ``chunk.n`` tokens (a view)."""
-    return x[chunk.rows, : chunk.n]
+    """Rows ``chunk.rows`` of a [B, N, ...] factor (or [B, N] ids), their first ``chunk.n`` tokens rounded up to a
+    multiple of 8 within N (a view; the tokens past a row's gradient-carrying ones have zero gradient)."""
+    return x[chunk.rows, : aligned(chunk.n)]
 
 
 def _gram_sq_norms(terms: list[MatrixTerm], chunk: RowChunk, dtype: torch.dtype) -> Tensor:
