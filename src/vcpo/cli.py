@@ -271,6 +271,7 @@ def sweep(
     overrides: Overrides = None,
     out: Annotated[Path, typer.Option("--out", help="Sweep directory (rerun to resume).")] = Path("runs/sweep"),
     grid: Annotated[str, typer.Option("--grid", help="A named grid: study2 (the staleness study), "
+                                      "study3 (the staleness study on the multi-turn tool task), "
                                       "study2_mismatch (study2 with a simulated sampler/learner mismatch), study1 "
                                       "(issue 5's), quick.")] = "study2",
     quick: Annotated[bool, typer.Option("--quick", help="Same as --grid quick (< 10 minutes).")] = False,
