@@ -104,10 +104,11 @@ STUDY2_MISMATCH = Grid(arms=["grpo", "vcpo", "vcpo_gonly", "vcpo_ess_only"], ks=
 # real sandbox run), lagged, at the shipped learning rate 3e-4 for every arm, 40 steps (synchronous GRPO plateaus by
 # step 10-20: benchmarks/staleness/probe_study3/). One pinned warm start (SFT seed 0, held-out 0.660); seed 1's
 # (0.380) was dropped because synchronous GRPO collapses from it (benchmarks/staleness/warm_starts_tools/README.md).
-# 4 arms x 4 k x 3 seeds = 48 cells, about 2-3 minutes each with 2 workers. What was cut from issue 37's grid, and
+# 5 arms x 4 k x 3 seeds = 60 cells, about 2-7 minutes each with 2 workers. What was cut from issue 37's grid, and
 # why: benchmarks/staleness/study3/README.md.
 STUDY3 = Grid(
-    arms=["grpo", "vcpo", "vcpo_gonly", "vespo"], ks=[0, 4, 16, 64], seeds=[0, 1, 2], base_config="configs/tools.yaml",
+    arms=["grpo", "vcpo", "vcpo_gonly", "vespo", "vcpo_gonly_proxy"], ks=[0, 4, 16, 64], seeds=[0, 1, 2],
+    base_config="configs/tools.yaml",
     overrides=["trainer.max_steps=40", "trainer.eval_every=10", "task.eval_size=200", "trainer.checkpoint_every=0"],
     warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts_tools/w0", "2f2ffd81b9078568")},
 )
