@@ -300,13 +300,12 @@ def sq_norms(param: nn.Parameter, terms: list[Term], lengths: list[int]) -> Tens
     use_gram = prefer_gram(len(terms) * sum(lengths) / max(len(lengths), 1), R, C)
     dense = all(t.left.dim() == 3 for t in terms)  # index factors (an embedding) accumulate in float32
     mm_dtype = _matmul_dtype(param, *factors)
+    if not use_gram and dense and mm_dtype in _HALF and len(terms) == 1:  # one product, its squares summed in float32
+        return _shared_materialised_sq_norms(terms, mm_dtype, lengths).double()
     chunks = []
     for chunk in row_chunks(lengths, None if use_gram else R * C):
         if use_gram:
             chunks.append(_gram_sq_norms(terms, chunk, mm_dtype))
-        elif dense and mm_dtype in _HALF and len(terms) == 1:  # one product, its squares summed in float32
-            grad_bRC = torch.bmm(_cut(terms[0].left, chunk).transpose(1, 2), _cut(terms[0].right_BNC, chunk))
-            chunks.append(torch.linalg.vector_norm(grad_bRC, dim=(1, 2), dtype=dtype).square())
         else:
             grad_bRC = _materialised(terms, chunk, (R, C), mm_dtype if dense else dtype)
             chunks.append(grad_bRC.to(dtype).square().sum((1, 2)))
