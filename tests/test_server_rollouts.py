@@ -88,7 +88,7 @@ def test_an_update_mid_generation_continues_under_the_new_version_token_by_token
         before = 2 * attempt
         engine.load_weights(old, before)
         result: dict = {}
-        worker = threading.Thread(target=lambda: result.update(gens=engine.generate(LONG_BATCH, sampling)))
+        worker = threading.Thread(target=lambda out=result: out.update(gens=engine.generate(LONG_BATCH, sampling)))
         worker.start()
         while not any(httpx.get(u + "/health").json()["generating"] for u, _ in servers) and worker.is_alive():
             time.sleep(0.002)
