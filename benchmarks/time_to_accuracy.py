@@ -1,0 +1,245 @@
+"""Time to synchronous accuracy on the tool task, the VCPO paper's unit: for each arm, the training seconds until
+held-out accuracy first reaches synchronous GRPO's late accuracy, from real runs on this machine and from a model.
+
+Real runs. ``vcpo train -c configs/tools.yaml`` from one pinned warm start (``model.path``) with an arm's overrides
+(the study grids' ``ARMS``), ``async.mode=async`` at bound k with N rollout workers (``sync`` for k = 0), a checkpoint
+every ``--every`` steps and no evaluation inside the run: in async mode the workers go on generating while the
+learner evaluates, which would hand the next steps rollouts for free. Each checkpoint is then evaluated here (greedy,
+the run's own held-out problems, as the trainer does). Training seconds to step s: the sum of ``time/step_s`` (less
+``time/eval_s``, only the last step has one) over steps 1..s; the first step, which waits for the workers to load the
+model, is counted at the run's median step time.
+
+The model. time(arm, k) = steps(arm, k) x step_s(arm, k), where steps(arm, k) is when a lagged study's cells (every
+batch exactly k steps stale: the worst case under the bound k) first reach the target, per seed, and step_s(arm, k)
+the real run's measured seconds per step. It is checked against each real run's own time to target; a real async
+run's staleness is at most k and often far less (the learner rarely waits long enough for the workers to get k ahead),
+so the model is pessimistic for arms whose accuracy falls with staleness, and the report says so with the staleness
+each real run saw.
+
+Target: synchronous GRPO's late accuracy (the mean of its last three evaluations) in the study cell of the same seed
+(the same held-out problems and warm start). A crossing between two evaluations is placed by linear interpolation.
+
+    python benchmarks/time_to_accuracy.py --study benchmarks/staleness/study3/cells \\
+        --warm-start benchmarks/staleness/warm_starts_tools/w0 --arms grpo,vcpo,vcpo_gonly,vcpo_gonly_proxy,vespo \\
+        --bounds 16 --workers 2 --steps 40 --every 10 --seeds 0 1 2 --out runs/time_to_accuracy \\
+        --json benchmarks/staleness/time_to_accuracy/results.json
+
+Runs already finished (``summary.json``) and checkpoints already evaluated (``eval_greedy.json``) are read, not redone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from vcpo.metrics import METRICS_FILE, read_metrics
+from vcpo.study.collapse import eval_series
+from vcpo.study.grids import ARMS
+from vcpo.study.report import summarize_cell
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def crossing(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The first (fractional) step at which the piecewise-linear ``curve`` of (step, accuracy) reaches ``target``."""
+    for (s0, a0), (s1, a1) in itertools.pairwise(curve):
+        if a0 >= target:
+            return s0
+        if a1 >= target:
+            return s0 + (target - a0) / (a1 - a0) * (s1 - s0)
+    return curve[-1][0] if curve and curve[-1][1] >= target else None
+
+
+def cell_curve(cell: Path) -> list[tuple[float, float]]:
+    """A study cell's held-out accuracy curve: (0, before RL), then each evaluation."""
+    steps, accuracies = eval_series(read_metrics(cell / METRICS_FILE))
+    return [(float(s), a) for s, a in zip(steps, accuracies, strict=True)]
+
+
+def study_cells(study: Path, arm: str, k: int) -> dict[int, Path]:
+    """The cells of ``arm`` at lag ``k`` by seed (one warm start: ``ARM_kK_WS_sSEED``)."""
+    found = {}
+    for cell in sorted(study.glob(f"{arm}_k{k}_*_s*")):
+        seed = int(cell.name.rsplit("_s", 1)[1])
+        found[seed] = cell
+    return found
+
+
+def sync_target(study: Path, seed: int) -> float:
+    """Synchronous GRPO's late accuracy (as `vcpo report` has it) in the study cell of ``seed``."""
+    cells = study_cells(study, "grpo", 0)
+    if seed not in cells:
+        raise SystemExit(f"{study} has no synchronous GRPO cell (grpo_k0_*) for seed {seed}: no target")
+    return summarize_cell(cells[seed])["late_accuracy"]
+
+
+def run_name(arm: str, k: int, workers: int, seed: int) -> str:
+    return f"{arm}_sync_s{seed}" if k == 0 else f"{arm}_async_k{k}_n{workers}_s{seed}"
+
+
+def train(arm: str, k: int, workers: int, seed: int, args: argparse.Namespace) -> Path:
+    run_dir = args.out / run_name(arm, k, workers, seed)
+    if not (run_dir / "summary.json").exists():
+        timing = ["async.mode=sync"] if k == 0 else [
+            "async.mode=async", f"async.max_staleness={k}", f"async.num_workers={workers}"]
+        subprocess.run([sys.executable, "-m", "vcpo.cli", "train", "-c", str(REPO / "configs/tools.yaml"),
+                        f"run_dir={run_dir}", f"model.path={args.warm_start}", f"seed={seed}", *ARMS[arm], *timing,
+                        f"trainer.max_steps={args.steps}", "trainer.eval_every=0",
+                        f"trainer.checkpoint_every={args.every}", f"task.eval_size={args.eval_size}",
+                        "logging.progress=false", *args.overrides], check=True, cwd=REPO)
+    return run_dir
+
+
+def checkpoint_curve(run_dir: Path, initial: float) -> list[tuple[float, float]]:
+    """Greedy held-out accuracy of each of the run's checkpoints (evaluated once, cached beside each)."""
+    from vcpo.config import load_config
+    from vcpo.train.eval_report import run_eval
+    from vcpo.train.evaluate import EvalSettings
+
+    config = load_config(run_dir / "config.yaml", [])
+    settings = EvalSettings(config.rollout.max_new_tokens, 0, 1.0, 1.0, seed=config.seed,
+                            lm_head_fp32=config.model.lm_head_fp32)
+    curve = [(0.0, initial)]
+    for ckpt in sorted((run_dir / "checkpoints").glob("step_[0-9]*[0-9]")):
+        cached = ckpt / "eval_greedy.json"
+        if not cached.exists():
+            report = run_eval(config, ckpt, [], settings)
+            cached.write_text(json.dumps(report, indent=2) + "\n")
+        accuracy = json.loads(cached.read_text())["datasets"][config.task.name]["accuracy"]
+        curve.append((float(ckpt.name.removeprefix("step_")), accuracy))
+    return curve
+
+
+def real_run(run_dir: Path, target: float) -> dict:
+    """A real run's step time, staleness, ESS, accuracy curve and measured time to ``target``."""
+    lines = read_metrics(run_dir / METRICS_FILE)
+    step_s = [m["time/step_s"] - m.get("time/eval_s", 0.0) for m in lines]
+    median = statistics.median(step_s[1:])
+    step_s[0] = median  # step 1 waits for the workers to load the model and the scorer: not a training step
+    cumulative = [0.0]
+    for s in step_s:
+        cumulative.append(cumulative[-1] + s)
+    curve = checkpoint_curve(run_dir, lines[0]["eval/accuracy_initial"])
+    step = crossing(curve, target)
+    measured = None
+    if step is not None:  # seconds at a fractional step: linear between the whole steps around it
+        lo = int(step)
+        measured = cumulative[lo] + (step - lo) * (cumulative[min(lo + 1, len(step_s))] - cumulative[lo])
+    in_run = [m["eval/accuracy"] for m in lines if "eval/accuracy" in m]
+    return {"steps": len(lines), "step_s_mean": cumulative[-1] / len(step_s), "step_s_median": median,
+            "first_step_s": lines[0]["time/step_s"],
+            "staleness_mean": statistics.fmean(m["staleness/mean"] for m in lines),
+            "staleness_max": max(m["staleness/max"] for m in lines),
+            "ess_ratio_mean": statistics.fmean(m["ess/ratio"] for m in lines),
+            "rollout_wait_s_mean": statistics.fmean(m["time/rollout_wait_s"] for m in lines),
+            "curve": curve, "final_in_run_eval": in_run[-1] if in_run else None,
+            "steps_to_target": step, "seconds_to_target": measured}
+
+
+def lagged(study: Path, arm: str, k: int) -> dict[int, float | None]:
+    """Steps to each seed's target in the study's lagged cells of ``arm`` at ``k``, by seed."""
+    return {seed: crossing(cell_curve(cell), sync_target(study, seed))
+            for seed, cell in study_cells(study, arm, k).items()}
+
+
+def mean_of(values: list[float | None]) -> float | None:
+    """The mean of the values that are not None (None when none is)."""
+    kept = [v for v in values if v is not None]
+    return statistics.fmean(kept) if kept else None
+
+
+def summarize(arm: str, k: int, runs: dict[int, dict], steps: dict[int, float | None]) -> dict:
+    """One arm at one bound over the seeds: the real runs, the model, and the model checked seed by seed.
+
+    model seconds (seed s) = lagged steps to target (seed s) x the real run's seconds per step (seed s); the
+    arm's model seconds = the mean of its lagged steps over every study seed that reached the target x its mean
+    seconds per step."""
+    step_s = statistics.fmean(r["step_s_mean"] for r in runs.values())
+    checks = {seed: {"real_s": r["seconds_to_target"],
+                     "model_s": None if steps.get(seed) is None else steps[seed] * r["step_s_mean"]}
+              for seed, r in runs.items()}
+    lagged_steps = mean_of(list(steps.values()))
+    return {"arm": arm, "k": k, "seeds": sorted(runs), "step_s_mean": step_s,
+            "staleness_mean": statistics.fmean(r["staleness_mean"] for r in runs.values()),
+            "staleness_max": max(r["staleness_max"] for r in runs.values()),
+            "ess_ratio_mean": statistics.fmean(r["ess_ratio_mean"] for r in runs.values()),
+            "real_reached": sum(r["seconds_to_target"] is not None for r in runs.values()),
+            "real_seconds_mean": mean_of([r["seconds_to_target"] for r in runs.values()]),
+            "lagged_steps": steps, "lagged_reached": sum(v is not None for v in steps.values()),
+            "lagged_steps_mean": lagged_steps,
+            "model_seconds": None if lagged_steps is None else lagged_steps * step_s,
+            "checks": checks, "runs": runs}
+
+
+def fmt(x: float | None, digits: int = 0) -> str:
+    return "never" if x is None else f"{x:.{digits}f}"
+
+
+def table(rows: list[dict]) -> str:
+    real_base, model_base = rows[0]["real_seconds_mean"], rows[0]["model_seconds"]
+
+    def speedup(base: float | None, seconds: float | None) -> str:
+        return "-" if seconds is None or base is None else f"{base / seconds:.2f}x"
+
+    def check(r: dict) -> str:
+        pairs = [c for c in r["checks"].values() if c["real_s"] is not None and c["model_s"] is not None]
+        missed = [seed for seed, c in r["checks"].items() if (c["real_s"] is None) != (c["model_s"] is None)]
+        ratios = ", ".join(f"{c['model_s'] / c['real_s']:.2f}" for c in pairs) or "-"
+        return ratios + (f"; reached by one side only: seed {', '.join(map(str, missed))}" if missed else "")
+
+    head = ("| arm | bound k | staleness seen (mean / max) | s per step | real runs: s to target (reached) "
+            "| real: vs sync GRPO | lagged-k steps to target (reached) | model: s to target | model: vs sync GRPO "
+            "| check: model / real per seed |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        n = len(r["seeds"])
+        out.append(f"| {r['arm']} | {r['k'] or 'sync'} | {r['staleness_mean']:.2f} / {r['staleness_max']:.0f} "
+                   f"| {r['step_s_mean']:.2f} | {fmt(r['real_seconds_mean'])} ({r['real_reached']}/{n}) "
+                   f"| {speedup(real_base, r['real_seconds_mean'])} | {fmt(r['lagged_steps_mean'], 1)} "
+                   f"({r['lagged_reached']}/{len(r['lagged_steps'])}) | {fmt(r['model_seconds'])} "
+                   f"| {speedup(model_base, r['model_seconds'])} | {check(r)} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--study", type=Path, required=True, help="a lagged study's cells directory")
+    parser.add_argument("--warm-start", type=Path, required=True, help="the study's warm-start model directory")
+    parser.add_argument("--arms", default="grpo,vcpo,vcpo_gonly,vcpo_gonly_proxy,vespo")
+    parser.add_argument("--bounds", default="16", help="async bounds k (comma-separated); sync GRPO always runs")
+    parser.add_argument("--workers", type=int, default=2, help="rollout worker processes of the async runs")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=10, help="steps between checkpoints (evaluated afterwards)")
+    parser.add_argument("--eval-size", type=int, default=200)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL seeds (the warm start is shared)")
+    parser.add_argument("--out", type=Path, default=Path("runs/time_to_accuracy"))
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("overrides", nargs="*", help="extra dotted overrides for every run")
+    args = parser.parse_args()
+    args.out, args.warm_start = args.out.resolve(), args.warm_start.resolve()
+    unknown = [a for a in args.arms.split(",") if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"--arms: unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
+    plan = [("grpo", 0)] + [(arm, int(k)) for k in args.bounds.split(",") for arm in args.arms.split(",")]
+    targets = {seed: sync_target(args.study, seed) for seed in args.seeds}
+    runs: dict[tuple[str, int], dict[int, dict]] = {cell: {} for cell in plan}
+    for seed in args.seeds:  # seed-major: a stopped benchmark has every arm on the seeds it finished
+        for arm, k in plan:
+            runs[arm, k][seed] = real_run(train(arm, k, args.workers, seed, args), targets[seed])
+    rows = [summarize(arm, k, runs[arm, k], lagged(args.study, arm, k)) for arm, k in plan]
+    results = {"targets": targets, "seeds": args.seeds, "workers": args.workers, "steps": args.steps,
+               "every": args.every, "study": str(args.study), "warm_start": str(args.warm_start),
+               "overrides": args.overrides, "rows": rows, "table": table(rows)}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    print(results["table"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""benchmarks/time_to_accuracy.py's arithmetic: where a curve first reaches the target, synchronous GRPO's late
+accuracy read from committed study cells, and the model and its check."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import time_to_accuracy as tta
+
+STUDY3 = ROOT / "benchmarks/staleness/study3/cells"
+
+
+def test_a_crossing_is_interpolated_between_evaluations_and_never_when_missed():
+    assert tta.crossing([(0, 0.6), (10, 0.7), (20, 0.9)], 0.8) == pytest.approx(15.0)
+    assert tta.crossing([(0, 0.5), (10, 0.85), (20, 0.7)], 0.8) == pytest.approx(10 * 0.3 / 0.35)
+    assert tta.crossing([(0, 0.6), (10, 0.5)], 0.6) == 0  # already there before RL
+    assert tta.crossing([(0, 0.6), (10, 0.7), (20, 0.79)], 0.8) is None
+
+
+def test_the_target_is_the_mean_of_sync_grpos_last_three_evaluations():
+    for seed in (0, 1, 2):
+        lines = [json.loads(line) for line in (STUDY3 / f"grpo_k0_w0_s{seed}/metrics.jsonl").read_text().splitlines()]
+        evals = [m["eval/accuracy"] for m in lines if "eval/accuracy" in m]
+        assert len(evals) == 4 and tta.sync_target(STUDY3, seed) == pytest.approx(sum(evals[-3:]) / 3)
+    steps = tta.lagged(STUDY3, "grpo", 0)
+    assert sorted(steps) == [0, 1, 2] and all(s is not None and 0 < s <= 40 for s in steps.values())
+
+
+def test_the_model_is_lagged_steps_times_measured_step_time_seed_by_seed():
+    runs = {0: {"step_s_mean": 2.0, "seconds_to_target": 30.0, "staleness_mean": 1.0, "staleness_max": 3,
+                "ess_ratio_mean": 0.9},
+            1: {"step_s_mean": 4.0, "seconds_to_target": None, "staleness_mean": 2.0, "staleness_max": 5,
+                "ess_ratio_mean": 0.7}}
+    row = tta.summarize("grpo", 16, runs, {0: 12.0, 1: 20.0, 2: None})
+    assert row["checks"] == {0: {"real_s": 30.0, "model_s": 24.0}, 1: {"real_s": None, "model_s": 80.0}}
+    assert row["lagged_steps_mean"] == 16.0 and row["model_seconds"] == pytest.approx(16.0 * 3.0)
+    assert (row["real_reached"], row["lagged_reached"], row["staleness_max"]) == (1, 2, 5)
+    line = tta.table([row]).splitlines()[-1]
+    assert "0.80; reached by one side only: seed 1" in line and "30 (1/2)" in line
