@@ -2,19 +2,19 @@
 held-out accuracy first reaches synchronous GRPO's late accuracy, from real runs on this machine and from a model.
 
 Real runs. ``vcpo train -c configs/tools.yaml`` from one pinned warm start (``model.path``) with an arm's overrides
-(the study grids' ``ARMS``), ``async.mode=async`` at bound k with N rollout workers (``sync`` for k = 0), a checkpoint
-every ``--every`` steps and no evaluation inside the run: in async mode the workers go on generating while the
-learner evaluates, which would hand the next steps rollouts for free. Each checkpoint is then evaluated here (greedy,
-the run's own held-out problems, as the trainer does). Training seconds to step s: the sum of ``time/step_s`` (less
-``time/eval_s``, only the last step has one) over steps 1..s; the first step, which waits for the workers to load the
-model, is counted at the run's median step time.
+(the study grids' ``ARMS``), ``async.mode=async`` at bound k with N rollout workers (``sync`` for k = 0), a
+checkpoint every ``--every`` steps (all kept) and no evaluation inside the run: in async mode the workers go on
+generating while the learner evaluates, which would hand the next steps rollouts for free. Each checkpoint is then
+evaluated here (greedy, the run's own held-out problems, as the trainer does). Training seconds to step s: the sum
+of ``time/step_s`` (less ``time/eval_s``, only the last step has one) over steps 1..s; the first step, which waits
+for the workers to load the model, is counted at the run's median step time.
 
-The model. time(arm, k) = steps(arm, k) x step_s(arm, k), where steps(arm, k) is when a lagged study's cells (every
-batch exactly k steps stale: the worst case under the bound k) first reach the target, per seed, and step_s(arm, k)
-the real run's measured seconds per step. It is checked against each real run's own time to target; a real async
-run's staleness is at most k and often far less (the learner rarely waits long enough for the workers to get k ahead),
-so the model is pessimistic for arms whose accuracy falls with staleness, and the report says so with the staleness
-each real run saw.
+The model. time(arm, k) = steps(arm, k) x step_s(arm), where steps(arm, k) is when a lagged study's cells (every
+batch exactly k steps stale) first reach the target, per seed, and step_s(arm) the real async run's measured seconds
+per step. A real async run's staleness is at most its bound and often far less (on a small machine the workers cannot
+get far ahead of the learner), so the model is given at every k of the study ("what if every batch were k stale, at
+this machine's step time") and checked, seed by seed, at the staleness the real run actually saw: the smallest study
+k at or above the run's largest staleness, an upper bound on the lag of every batch it trained on.
 
 Target: synchronous GRPO's late accuracy (the mean of its last three evaluations) in the study cell of the same seed
 (the same held-out problems and warm start). A crossing between two evaluations is placed by linear interpolation.
@@ -61,6 +61,11 @@ def cell_curve(cell: Path) -> list[tuple[float, float]]:
     return [(float(s), a) for s, a in zip(steps, accuracies, strict=True)]
 
 
+def study_ks(study: Path, arm: str) -> list[int]:
+    """The lags at which the study has cells of ``arm``."""
+    return sorted({int(c.name.removeprefix(f"{arm}_k").split("_")[0]) for c in study.glob(f"{arm}_k[0-9]*_s*")})
+
+
 def study_cells(study: Path, arm: str, k: int) -> dict[int, Path]:
     """The cells of ``arm`` at lag ``k`` by seed (one warm start: ``ARM_kK_WS_sSEED``)."""
     found = {}
@@ -90,7 +95,8 @@ def train(arm: str, k: int, workers: int, seed: int, args: argparse.Namespace) -
         subprocess.run([sys.executable, "-m", "vcpo.cli", "train", "-c", str(REPO / "configs/tools.yaml"),
                         f"run_dir={run_dir}", f"model.path={args.warm_start}", f"seed={seed}", *ARMS[arm], *timing,
                         f"trainer.max_steps={args.steps}", "trainer.eval_every=0",
-                        f"trainer.checkpoint_every={args.every}", f"task.eval_size={args.eval_size}",
+                        f"trainer.checkpoint_every={args.every}", "trainer.keep_checkpoints=null",
+                        f"task.eval_size={args.eval_size}",
                         "logging.progress=false", *args.overrides], check=True, cwd=REPO)
     return run_dir
 
@@ -153,56 +159,76 @@ def mean_of(values: list[float | None]) -> float | None:
     return statistics.fmean(kept) if kept else None
 
 
-def summarize(arm: str, k: int, runs: dict[int, dict], steps: dict[int, float | None]) -> dict:
-    """One arm at one bound over the seeds: the real runs, the model, and the model checked seed by seed.
+def summarize(study: Path, arm: str, k: int, runs: dict[int, dict]) -> dict:
+    """One arm at one bound over the seeds: the real runs, the model at every study k, and the model checked seed by
+    seed at the staleness each run saw.
 
-    model seconds (seed s) = lagged steps to target (seed s) x the real run's seconds per step (seed s); the
-    arm's model seconds = the mean of its lagged steps over every study seed that reached the target x its mean
-    seconds per step."""
+    model seconds at k = the mean of the lagged steps to target over the study seeds that reached it x the arm's mean
+    seconds per step; check (seed s) = lagged steps (seed s, k seen) x that run's seconds per step, against the
+    seconds it took."""
     step_s = statistics.fmean(r["step_s_mean"] for r in runs.values())
-    checks = {seed: {"real_s": r["seconds_to_target"],
-                     "model_s": None if steps.get(seed) is None else steps[seed] * r["step_s_mean"]}
-              for seed, r in runs.items()}
-    lagged_steps = mean_of(list(steps.values()))
+    ks = study_ks(study, arm)
+    steps = {lag: lagged(study, arm, lag) for lag in ks}
+    model = {lag: None if mean_of(list(by_seed.values())) is None else mean_of(list(by_seed.values())) * step_s
+             for lag, by_seed in steps.items()}
+    checks = {}
+    for seed, r in runs.items():
+        seen = next((lag for lag in ks if lag >= r["staleness_max"]), None)
+        lag_steps = None if seen is None else steps[seen].get(seed)
+        checks[seed] = {"k_seen": seen, "real_s": r["seconds_to_target"],
+                        "model_s": None if lag_steps is None else lag_steps * r["step_s_mean"]}
     return {"arm": arm, "k": k, "seeds": sorted(runs), "step_s_mean": step_s,
             "staleness_mean": statistics.fmean(r["staleness_mean"] for r in runs.values()),
             "staleness_max": max(r["staleness_max"] for r in runs.values()),
             "ess_ratio_mean": statistics.fmean(r["ess_ratio_mean"] for r in runs.values()),
             "real_reached": sum(r["seconds_to_target"] is not None for r in runs.values()),
             "real_seconds_mean": mean_of([r["seconds_to_target"] for r in runs.values()]),
-            "lagged_steps": steps, "lagged_reached": sum(v is not None for v in steps.values()),
-            "lagged_steps_mean": lagged_steps,
-            "model_seconds": None if lagged_steps is None else lagged_steps * step_s,
-            "checks": checks, "runs": runs}
+            "lagged_steps": steps, "model_seconds": model, "checks": checks, "runs": runs}
 
 
 def fmt(x: float | None, digits: int = 0) -> str:
     return "never" if x is None else f"{x:.{digits}f}"
 
 
-def table(rows: list[dict]) -> str:
-    real_base, model_base = rows[0]["real_seconds_mean"], rows[0]["model_seconds"]
+def speedup(base: float | None, seconds: float | None) -> str:
+    return "-" if seconds is None or base is None else f"{base / seconds:.2f}x"
 
-    def speedup(base: float | None, seconds: float | None) -> str:
-        return "-" if seconds is None or base is None else f"{base / seconds:.2f}x"
+
+def measured_table(rows: list[dict]) -> str:
+    """The real runs, each arm against real synchronous GRPO (the first row), and the model's check."""
+    base = rows[0]["real_seconds_mean"]
 
     def check(r: dict) -> str:
-        pairs = [c for c in r["checks"].values() if c["real_s"] is not None and c["model_s"] is not None]
-        missed = [seed for seed, c in r["checks"].items() if (c["real_s"] is None) != (c["model_s"] is None)]
-        ratios = ", ".join(f"{c['model_s'] / c['real_s']:.2f}" for c in pairs) or "-"
-        return ratios + (f"; reached by one side only: seed {', '.join(map(str, missed))}" if missed else "")
+        parts = []
+        for seed, c in sorted(r["checks"].items()):
+            ratio = "-" if c["real_s"] is None or c["model_s"] is None else f"{c['model_s'] / c['real_s']:.2f}"
+            parts.append(f"s{seed} k{c['k_seen']}: {fmt(c['model_s'])} / {fmt(c['real_s'])} ({ratio})")
+        return "; ".join(parts)
 
-    head = ("| arm | bound k | staleness seen (mean / max) | s per step | real runs: s to target (reached) "
-            "| real: vs sync GRPO | lagged-k steps to target (reached) | model: s to target | model: vs sync GRPO "
-            "| check: model / real per seed |")
+    head = ("| arm | bound k | staleness seen (mean / max) | ESS ratio | s per step | s to target (runs reached) "
+            "| vs sync GRPO | check per seed: model at k seen / real s (ratio) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        n = len(r["seeds"])
         out.append(f"| {r['arm']} | {r['k'] or 'sync'} | {r['staleness_mean']:.2f} / {r['staleness_max']:.0f} "
-                   f"| {r['step_s_mean']:.2f} | {fmt(r['real_seconds_mean'])} ({r['real_reached']}/{n}) "
-                   f"| {speedup(real_base, r['real_seconds_mean'])} | {fmt(r['lagged_steps_mean'], 1)} "
-                   f"({r['lagged_reached']}/{len(r['lagged_steps'])}) | {fmt(r['model_seconds'])} "
-                   f"| {speedup(model_base, r['model_seconds'])} | {check(r)} |")
+                   f"| {r['ess_ratio_mean']:.2f} | {r['step_s_mean']:.2f} | {fmt(r['real_seconds_mean'])} "
+                   f"({r['real_reached']}/{len(r['seeds'])}) | {speedup(base, r['real_seconds_mean'])} | {check(r)} |")
+    return "\n".join(out)
+
+
+def model_table(rows: list[dict]) -> str:
+    """The model at each study k: seconds to target (study seeds that reached it) and speed-up over the model's
+    synchronous GRPO (lagged k = 0 steps x real synchronous seconds per step)."""
+    base = rows[0]["model_seconds"].get(0)
+    ks = sorted({lag for r in rows[1:] for lag in r["model_seconds"]})
+    head = "| arm (async s per step) | " + " | ".join(f"k = {lag}" for lag in ks) + " |"
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows[1:]:
+        cells = []
+        for lag in ks:
+            seconds, reached = r["model_seconds"].get(lag), r["lagged_steps"].get(lag, {})
+            n = f"{sum(v is not None for v in reached.values())}/{len(reached)}"
+            cells.append(f"never ({n})" if seconds is None else f"{seconds:.0f} s, {speedup(base, seconds)} ({n})")
+        out.append(f"| {r['arm']} ({r['step_s_mean']:.2f}) | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -231,14 +257,14 @@ def main() -> None:
     for seed in args.seeds:  # seed-major: a stopped benchmark has every arm on the seeds it finished
         for arm, k in plan:
             runs[arm, k][seed] = real_run(train(arm, k, args.workers, seed, args), targets[seed])
-    rows = [summarize(arm, k, runs[arm, k], lagged(args.study, arm, k)) for arm, k in plan]
+    rows = [summarize(args.study, arm, k, runs[arm, k]) for arm, k in plan]
     results = {"targets": targets, "seeds": args.seeds, "workers": args.workers, "steps": args.steps,
                "every": args.every, "study": str(args.study), "warm_start": str(args.warm_start),
-               "overrides": args.overrides, "rows": rows, "table": table(rows)}
+               "overrides": args.overrides, "rows": rows, "measured": measured_table(rows), "model": model_table(rows)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
-    print(results["table"])
+    print(results["measured"] + "\n\n" + results["model"])
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from vcpo.metrics import MetricsError, MetricsLogger, read_metrics, truncate_met
 from vcpo.plots import PlotError, plot_run
 from vcpo.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 
+from conftest import vcpo
+
 # ---------------------------------------------------------------- metrics
 
 
@@ -162,6 +164,20 @@ def test_keep_prunes_and_tmp_leftovers_are_ignored(tmp_path):
     (root / "latest").write_text("step_000007\n")  # points to a dir that is gone
     assert latest_checkpoint(tmp_path) == root / "step_000003"
     assert latest_checkpoint(tmp_path / "no_run") is None
+
+
+def test_keep_none_keeps_every_checkpoint_and_a_run_passes_keep_checkpoints_on(tmp_path, tiny):
+    model, tokenizer = tiny_model(0), tiny_tokenizer()
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, tokenizer, optimizer, {}, keep=None)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == [
+        "step_000001", "step_000002", "step_000003"]
+    run_dir = tmp_path / "run"
+    vcpo("train", *tiny, f"run_dir={run_dir}", "async.mode=sync", "trainer.max_steps=3", "trainer.eval_every=0",
+         "trainer.checkpoint_every=1", "trainer.keep_checkpoints=null")
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [
+        "step_000001", "step_000002", "step_000003"]
 
 
 def test_missing_or_corrupt_checkpoint_names_the_path(tmp_path):

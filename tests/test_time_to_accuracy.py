@@ -32,14 +32,18 @@ def test_the_target_is_the_mean_of_sync_grpos_last_three_evaluations():
     assert sorted(steps) == [0, 1, 2] and all(s is not None and 0 < s <= 40 for s in steps.values())
 
 
-def test_the_model_is_lagged_steps_times_measured_step_time_seed_by_seed():
+def test_the_model_is_lagged_steps_times_measured_step_time_checked_at_the_staleness_seen():
     runs = {0: {"step_s_mean": 2.0, "seconds_to_target": 30.0, "staleness_mean": 1.0, "staleness_max": 3,
                 "ess_ratio_mean": 0.9},
             1: {"step_s_mean": 4.0, "seconds_to_target": None, "staleness_mean": 2.0, "staleness_max": 5,
                 "ess_ratio_mean": 0.7}}
-    row = tta.summarize("grpo", 16, runs, {0: 12.0, 1: 20.0, 2: None})
-    assert row["checks"] == {0: {"real_s": 30.0, "model_s": 24.0}, 1: {"real_s": None, "model_s": 80.0}}
-    assert row["lagged_steps_mean"] == 16.0 and row["model_seconds"] == pytest.approx(16.0 * 3.0)
-    assert (row["real_reached"], row["lagged_reached"], row["staleness_max"]) == (1, 2, 5)
-    line = tta.table([row]).splitlines()[-1]
-    assert "0.80; reached by one side only: seed 1" in line and "30 (1/2)" in line
+    row = tta.summarize(STUDY3, "vespo", 16, runs)
+    k4, k16 = tta.lagged(STUDY3, "vespo", 4), tta.lagged(STUDY3, "vespo", 16)
+    assert tta.study_ks(STUDY3, "vespo") == [0, 4, 16, 64] and sorted(row["model_seconds"]) == [0, 4, 16, 64]
+    assert row["checks"][0] == {"k_seen": 4, "real_s": 30.0, "model_s": pytest.approx(k4[0] * 2.0)}  # 3 -> k = 4
+    assert row["checks"][1] == {"k_seen": 16, "real_s": None, "model_s": pytest.approx(k16[1] * 4.0)}  # 5 -> 16
+    reached = [v for v in k16.values() if v is not None]
+    assert row["model_seconds"][16] == pytest.approx(sum(reached) / len(reached) * 3.0)  # mean step time 3 s
+    assert (row["real_reached"], row["staleness_max"], row["real_seconds_mean"]) == (1, 5, 30.0)
+    line = tta.measured_table([row]).splitlines()[-1]
+    assert f"s0 k4: {k4[0] * 2.0:.0f} / 30 ({k4[0] * 2.0 / 30:.2f})" in line and "30 (1/2)" in line

@@ -392,6 +392,9 @@ class TrainerConfig(_Strict):
     """The nucleus mass of those samples."""
     checkpoint_every: int = Field(50, ge=0)
     """Steps between checkpoints (0 = only at the end); a run always checkpoints its last step."""
+    keep_checkpoints: int | None = Field(2, ge=1)
+    """Checkpoints kept, the newest; older ones are deleted as each new one lands (null keeps every one, e.g. to
+    evaluate them after the run). trainer.on_alarm stop and rollback keep at least health.dead_steps + 2."""
     max_skipped_steps: int = Field(3, ge=1)
     """The run stops (with a checkpoint) after this many consecutive steps skipped as non-finite
     (gradient, loss, ESS or a sampled log-prob)."""

@@ -132,7 +132,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
     generators: dict[str, torch.Generator] | None = None,
-    keep: int = 2,
+    keep: int | None = 2,
 ) -> Path:
     """Write ``run_dir/checkpoints/step_{step:06d}/`` atomically and return it.
 
@@ -141,12 +141,12 @@ def save_checkpoint(
     ``trainer_state.json`` (``trainer_state`` plus ``step``) and ``rng.pt`` (Python,
     NumPy, torch CPU/CUDA states and each named generator's state). Everything is written into a
     ``.tmp-<pid>`` directory that is renamed into place only when complete; then ``latest`` is
-    replaced atomically, and all but the ``keep`` newest checkpoints (and leftovers of interrupted
-    saves: one writer per run directory) are deleted. Weights holding a NaN or an infinity raise
-    ``CheckpointError`` before anything is written; a failed write raises ``DiskError`` naming the
+    replaced atomically, and all but the ``keep`` newest checkpoints (every one kept when ``keep`` is None) and
+    leftovers of interrupted saves (one writer per run directory) are deleted. Weights holding a NaN or an infinity
+    raise ``CheckpointError`` before anything is written; a failed write raises ``DiskError`` naming the
     path, removes its partial copy and leaves the previous checkpoint the latest.
     """
-    if keep < 1:
+    if keep is not None and keep < 1:
         raise CheckpointError(f"keep must be >= 1 checkpoints, got {keep}")
     check_finite(model, step)
     try:
@@ -183,7 +183,7 @@ def save_checkpoint(
         error = DiskError(tmp, e)  # before the cleanup frees the space it reports on
         shutil.rmtree(tmp, ignore_errors=True)
         raise error from None
-    for _, path in complete_checkpoints(run_dir)[:-keep]:
+    for _, path in complete_checkpoints(run_dir)[:-keep] if keep is not None else []:
         if path != final:
             shutil.rmtree(path, ignore_errors=True)
     for path in ckpt_root.glob("step_*.tmp-*"):

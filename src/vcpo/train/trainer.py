@@ -291,7 +291,8 @@ class _Job:
         # stop and rollback checkpoint every step that raised no alarm, and keep enough of them to go back before
         # the dead-policy rule's streak
         self.guarded = config.trainer.on_alarm != "warn"
-        self.keep = config.trainer.health.dead_steps + 2 if self.guarded else 2
+        keep = config.trainer.keep_checkpoints
+        self.keep = None if keep is None else max(keep, config.trainer.health.dead_steps + 2 if self.guarded else 1)
         self.bound = adaptive_staleness(config.async_, state.get("staleness"))  # None for a fixed k
         self.initial_accuracy: float | None = state.get("initial_accuracy")
         self.last_accuracy: float | None = state.get("last_accuracy", self.initial_accuracy)
