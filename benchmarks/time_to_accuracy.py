@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from vcpo.metrics import METRICS_FILE, read_metrics
 from vcpo.study.collapse import eval_series
@@ -61,25 +62,31 @@ def cell_curve(cell: Path) -> list[tuple[float, float]]:
     return [(float(s), a) for s, a in zip(steps, accuracies, strict=True)]
 
 
-def study_ks(study: Path, arm: str) -> list[int]:
+class Study(NamedTuple):
+    """A lagged study's cells directory and the warm start whose cells (``ARM_kK_WS_sSEED``) are read."""
+
+    cells: Path
+    warm_start: str
+
+
+def study_ks(study: Study, arm: str) -> list[int]:
     """The lags at which the study has cells of ``arm``."""
-    return sorted({int(c.name.removeprefix(f"{arm}_k").split("_")[0]) for c in study.glob(f"{arm}_k[0-9]*_s*")})
+    found = study.cells.glob(f"{arm}_k[0-9]*_{study.warm_start}_s*")
+    return sorted({int(c.name.removeprefix(f"{arm}_k").split("_")[0]) for c in found})
 
 
-def study_cells(study: Path, arm: str, k: int) -> dict[int, Path]:
-    """The cells of ``arm`` at lag ``k`` by seed (one warm start: ``ARM_kK_WS_sSEED``)."""
-    found = {}
-    for cell in sorted(study.glob(f"{arm}_k{k}_*_s*")):
-        seed = int(cell.name.rsplit("_s", 1)[1])
-        found[seed] = cell
-    return found
+def study_cells(study: Study, arm: str, k: int) -> dict[int, Path]:
+    """The cells of ``arm`` at lag ``k`` by seed."""
+    return {int(cell.name.rsplit("_s", 1)[1]): cell
+            for cell in sorted(study.cells.glob(f"{arm}_k{k}_{study.warm_start}_s*"))}
 
 
-def sync_target(study: Path, seed: int) -> float:
+def sync_target(study: Study, seed: int) -> float:
     """Synchronous GRPO's late accuracy (as `vcpo report` has it) in the study cell of ``seed``."""
     cells = study_cells(study, "grpo", 0)
     if seed not in cells:
-        raise SystemExit(f"{study} has no synchronous GRPO cell (grpo_k0_*) for seed {seed}: no target")
+        raise SystemExit(f"{study.cells} has no synchronous GRPO cell of warm start {study.warm_start} for seed "
+                         f"{seed}: no target")
     return summarize_cell(cells[seed])["late_accuracy"]
 
 
@@ -147,7 +154,7 @@ def real_run(run_dir: Path, target: float) -> dict:
             "steps_to_target": step, "seconds_to_target": measured}
 
 
-def lagged(study: Path, arm: str, k: int) -> dict[int, float | None]:
+def lagged(study: Study, arm: str, k: int) -> dict[int, float | None]:
     """Steps to each seed's target in the study's lagged cells of ``arm`` at ``k``, by seed."""
     return {seed: crossing(cell_curve(cell), sync_target(study, seed))
             for seed, cell in study_cells(study, arm, k).items()}
@@ -159,7 +166,7 @@ def mean_of(values: list[float | None]) -> float | None:
     return statistics.fmean(kept) if kept else None
 
 
-def summarize(study: Path, arm: str, k: int, runs: dict[int, dict]) -> dict:
+def summarize(study: Study, arm: str, k: int, runs: dict[int, dict]) -> dict:
     """One arm at one bound over the seeds: the real runs, the model at every study k, and the model checked seed by
     seed at the staleness each run saw.
 
@@ -236,6 +243,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--study", type=Path, required=True, help="a lagged study's cells directory")
     parser.add_argument("--warm-start", type=Path, required=True, help="the study's warm-start model directory")
+    parser.add_argument("--warm-start-id", default="w0", help="its id in the study's cell names")
     parser.add_argument("--arms", default="grpo,vcpo,vcpo_gonly,vcpo_gonly_proxy,vespo")
     parser.add_argument("--bounds", default="16", help="async bounds k (comma-separated); sync GRPO always runs")
     parser.add_argument("--workers", type=int, default=2, help="rollout worker processes of the async runs")
@@ -251,15 +259,17 @@ def main() -> None:
     unknown = [a for a in args.arms.split(",") if a not in ARMS]
     if unknown:
         raise SystemExit(f"--arms: unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
+    study = Study(args.study, args.warm_start_id)
     plan = [("grpo", 0)] + [(arm, int(k)) for k in args.bounds.split(",") for arm in args.arms.split(",")]
-    targets = {seed: sync_target(args.study, seed) for seed in args.seeds}
+    targets = {seed: sync_target(study, seed) for seed in args.seeds}
     runs: dict[tuple[str, int], dict[int, dict]] = {cell: {} for cell in plan}
     for seed in args.seeds:  # seed-major: a stopped benchmark has every arm on the seeds it finished
         for arm, k in plan:
             runs[arm, k][seed] = real_run(train(arm, k, args.workers, seed, args), targets[seed])
-    rows = [summarize(args.study, arm, k, runs[arm, k]) for arm, k in plan]
+    rows = [summarize(study, arm, k, runs[arm, k]) for arm, k in plan]
     results = {"targets": targets, "seeds": args.seeds, "workers": args.workers, "steps": args.steps,
                "every": args.every, "study": str(args.study), "warm_start": str(args.warm_start),
+               "warm_start_id": args.warm_start_id,
                "overrides": args.overrides, "rows": rows, "measured": measured_table(rows), "model": model_table(rows)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import time_to_accuracy as tta
 
-STUDY3 = ROOT / "benchmarks/staleness/study3/cells"
+STUDY3 = tta.Study(ROOT / "benchmarks/staleness/study3/cells", "w0")
 
 
 def test_a_crossing_is_interpolated_between_evaluations_and_never_when_missed():
@@ -25,9 +25,11 @@ def test_a_crossing_is_interpolated_between_evaluations_and_never_when_missed():
 
 def test_the_target_is_the_mean_of_sync_grpos_last_three_evaluations():
     for seed in (0, 1, 2):
-        lines = [json.loads(line) for line in (STUDY3 / f"grpo_k0_w0_s{seed}/metrics.jsonl").read_text().splitlines()]
+        text = (STUDY3.cells / f"grpo_k0_w0_s{seed}/metrics.jsonl").read_text()
+        lines = [json.loads(line) for line in text.splitlines()]
         evals = [m["eval/accuracy"] for m in lines if "eval/accuracy" in m]
         assert len(evals) == 4 and tta.sync_target(STUDY3, seed) == pytest.approx(sum(evals[-3:]) / 3)
+    assert tta.study_cells(tta.Study(STUDY3.cells, "w9"), "grpo", 0) == {}  # another warm start's cells only
     steps = tta.lagged(STUDY3, "grpo", 0)
     assert sorted(steps) == [0, 1, 2] and all(s is not None and 0 < s <= 40 for s in steps.values())
 
