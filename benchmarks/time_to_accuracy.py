@@ -222,6 +222,20 @@ def measured_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def check_summary(rows: list[dict]) -> str:
+    """The model's checks pooled over arms and seeds: model / real seconds where both reached the target, and the
+    runs that only one of them says reach it."""
+    pairs = [c for r in rows for c in r["checks"].values()]
+    ratios = sorted(c["model_s"] / c["real_s"] for c in pairs if c["real_s"] is not None and c["model_s"] is not None)
+    one_sided = [c for c in pairs if (c["real_s"] is None) != (c["model_s"] is None)]
+    if not ratios:
+        return f"check: no run that both the model and the real run say reaches the target ({len(pairs)} runs)"
+    close = sum(2 / 3 <= x <= 3 / 2 for x in ratios)
+    return (f"check: model / real seconds over {len(ratios)} runs: median {statistics.median(ratios):.2f}, range "
+            f"{ratios[0]:.2f}-{ratios[-1]:.2f}, {close} of {len(ratios)} within 1.5x; "
+            f"{len(one_sided)} run(s) reach the target on one side only")
+
+
 def model_table(rows: list[dict]) -> str:
     """The model at each study k: seconds to target (study seeds that reached it) and speed-up over the model's
     synchronous GRPO (lagged k = 0 steps x real synchronous seconds per step)."""
@@ -269,12 +283,12 @@ def main() -> None:
     rows = [summarize(study, arm, k, runs[arm, k]) for arm, k in plan]
     results = {"targets": targets, "seeds": args.seeds, "workers": args.workers, "steps": args.steps,
                "every": args.every, "study": str(args.study), "warm_start": str(args.warm_start),
-               "warm_start_id": args.warm_start_id,
-               "overrides": args.overrides, "rows": rows, "measured": measured_table(rows), "model": model_table(rows)}
+               "warm_start_id": args.warm_start_id, "overrides": args.overrides, "rows": rows,
+               "measured": measured_table(rows), "check": check_summary(rows), "model": model_table(rows)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
-    print(results["measured"] + "\n\n" + results["model"])
+    print("\n\n".join(results[key] for key in ("measured", "check", "model")))
 
 
 if __name__ == "__main__":

@@ -49,3 +49,7 @@ def test_the_model_is_lagged_steps_times_measured_step_time_checked_at_the_stale
     assert (row["real_reached"], row["staleness_max"], row["real_seconds_mean"]) == (1, 5, 30.0)
     line = tta.measured_table([row]).splitlines()[-1]
     assert f"s0 k4: {k4[0] * 2.0:.0f} / 30 ({k4[0] * 2.0 / 30:.2f})" in line and "30 (1/2)" in line
+    ratio = k4[0] * 2.0 / 30
+    assert tta.check_summary([row]) == (f"check: model / real seconds over 1 runs: median {ratio:.2f}, range "
+                                        f"{ratio:.2f}-{ratio:.2f}, {int(2 / 3 <= ratio <= 1.5)} of 1 within 1.5x; "
+                                        "1 run(s) reach the target on one side only")
