@@ -42,6 +42,7 @@ from vcpo.metrics import METRICS_FILE, read_metrics
 from vcpo.study.collapse import eval_series
 from vcpo.study.grids import ARMS
 from vcpo.study.report import summarize_cell
+from vcpo.study.stats import paired_difference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -205,6 +206,13 @@ def measured_table(rows: list[dict]) -> str:
     """The real runs, each arm against real synchronous GRPO (the first row), and the model's check."""
     base = rows[0]["real_seconds_mean"]
 
+    def reached(r: dict) -> dict[int, float]:
+        return {seed: c["real_s"] for seed, c in r["checks"].items() if c["real_s"] is not None}
+
+    def paired(r: dict) -> str:
+        diff = paired_difference(reached(r), reached(rows[0]))
+        return "-" if diff is None or r is rows[0] else f"{diff.mean:+.0f} [{diff.low:+.0f}, {diff.high:+.0f}]"
+
     def check(r: dict) -> str:
         parts = []
         for seed, c in sorted(r["checks"].items()):
@@ -213,12 +221,13 @@ def measured_table(rows: list[dict]) -> str:
         return "; ".join(parts)
 
     head = ("| arm | bound k | staleness seen (mean / max) | ESS ratio | s per step | s to target (runs reached) "
-            "| vs sync GRPO | check per seed: model at k seen / real s (ratio) |")
+            "| vs sync GRPO | minus sync GRPO's s, paired [95% t] | check per seed: model at k seen / real s (ratio) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         out.append(f"| {r['arm']} | {r['k'] or 'sync'} | {r['staleness_mean']:.2f} / {r['staleness_max']:.0f} "
                    f"| {r['ess_ratio_mean']:.2f} | {r['step_s_mean']:.2f} | {fmt(r['real_seconds_mean'])} "
-                   f"({r['real_reached']}/{len(r['seeds'])}) | {speedup(base, r['real_seconds_mean'])} | {check(r)} |")
+                   f"({r['real_reached']}/{len(r['seeds'])}) | {speedup(base, r['real_seconds_mean'])} | {paired(r)} "
+                   f"| {check(r)} |")
     return "\n".join(out)
 
 
