@@ -102,15 +102,17 @@ STUDY2_MISMATCH = Grid(arms=["grpo", "vcpo", "vcpo_gonly", "vcpo_ess_only"], ks=
                        warm_starts=STUDY2.warm_starts)
 # study3 (issue 37): the tool task of configs/tools.yaml (multi-turn SimpleTIR-format products, every tool call a
 # real sandbox run), lagged, at the shipped learning rate 3e-4 for every arm, 40 steps (synchronous GRPO plateaus by
-# step 10-20: benchmarks/staleness/probe_study3/). One pinned warm start, w0 (SFT seed 0, 300 steps, held-out 0.660):
-# 300-step SFT is unreliable across seeds (0.03-0.66), synchronous GRPO collapses from seed 1's (0.380) and falls
-# from 600-step seed 2's (w3, 0.59 -> 0.47); benchmarks/staleness/warm_starts_tools/README.md.
+# step 10-20: benchmarks/staleness/probe_study3/). Pinned warm starts: w0 (SFT seed 0, 300 steps, held-out 0.660) and
+# w4 (SFT seed 1, 600 steps, 0.755; synchronous GRPO 0.755 -> 0.825 in 40 steps). 300-step SFT is unreliable across
+# seeds (0.03-0.66), synchronous GRPO collapses from seed 1's 300-step model (0.380) and falls from seed 2's 600-step
+# one (w3, 0.59 -> 0.47); benchmarks/staleness/warm_starts_tools/README.md.
 # 5 arms x 4 k x 3 seeds = 60 cells, about 2-7 minutes each with 2 workers. What was cut from issue 37's grid, and
 # why: benchmarks/staleness/study3/README.md.
 STUDY3 = Grid(
     arms=["grpo", "vcpo", "vcpo_gonly", "vespo", "vcpo_gonly_proxy"], ks=[0, 4, 16, 64], seeds=[0, 1, 2],
     base_config="configs/tools.yaml",
     overrides=["trainer.max_steps=40", "trainer.eval_every=10", "task.eval_size=200", "trainer.checkpoint_every=0"],
-    warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts_tools/w0", "2f2ffd81b9078568")},
+    warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts_tools/w0", "2f2ffd81b9078568"),
+                 "w4": WarmStartPin("benchmarks/staleness/warm_starts_tools/w4", "64c05b3a2c847bfe")},
 )
 GRIDS = {"study2": STUDY2, "study3": STUDY3, "study1": STUDY1, "quick": QUICK, "study2_mismatch": STUDY2_MISMATCH}
