@@ -183,7 +183,8 @@ def save_checkpoint(
         error = DiskError(tmp, e)  # before the cleanup frees the space it reports on
         shutil.rmtree(tmp, ignore_errors=True)
         raise error from None
-    for _, path in complete_checkpoints(run_dir)[:-keep] if keep is not None else []:
+    older = complete_checkpoints(run_dir)[:-keep] if keep is not None else []
+    for _, path in older:
         if path != final:
             shutil.rmtree(path, ignore_errors=True)
     for path in ckpt_root.glob("step_*.tmp-*"):

@@ -292,7 +292,7 @@ class _Job:
         # the dead-policy rule's streak
         self.guarded = config.trainer.on_alarm != "warn"
         keep = config.trainer.keep_checkpoints
-        self.keep = None if keep is None else max(keep, config.trainer.health.dead_steps + 2 if self.guarded else 1)
+        self.keep = max(keep, config.trainer.health.dead_steps + 2) if self.guarded and keep is not None else keep
         self.bound = adaptive_staleness(config.async_, state.get("staleness"))  # None for a fixed k
         self.initial_accuracy: float | None = state.get("initial_accuracy")
         self.last_accuracy: float | None = state.get("last_accuracy", self.initial_accuracy)
