@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from vcpo.guard import shared_memory_of
 from vcpo.runtime import set_parent_death_signal
 
 SHM = "/dev/shm/"
@@ -80,18 +81,10 @@ def worker_pids(trainer_pid: int, timeout_s: float = 120) -> list[int]:
 
 
 def shm_segments(pids: list[int]) -> set[str]:
-    """The files under /dev/shm that these processes map and that still have a name (not unlinked)."""
-    found = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
-        for line in maps.splitlines():
-            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-            if path.startswith(SHM) and not path.endswith("(deleted)"):
-                found.add(path)
-    return found
+    """The named files under /dev/shm that these processes map or hold open, matched by inode (see
+    ``vcpo.guard.shared_memory_of``): a multiprocessing lock counts from its creation in the trainer, not only once a
+    (re)started worker has opened it by name."""
+    return {SHM + name for name in shared_memory_of(pids)}
 
 
 def wait_gone(pids: list[int], timeout_s: float = 30) -> None:
