@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from vcpo.config import Config, LoggingConfig, ModelConfig, SFTConfig, TaskConfig
+from vcpo.config import (
+    ArchitectureConfig,
+    Config,
+    ConfigError,
+    LoggingConfig,
+    ModelConfig,
+    SFTConfig,
+    TaskConfig,
+    load_config,
+)
 from vcpo.models import ModelLoadError, build_char_tokenizer, build_default_model, load_policy
 from vcpo.tasks import ReasoningGymTask, Task, TaskError, make_task
 from vcpo.tasks.reasoning_gym_task import generator_seed
@@ -149,6 +158,25 @@ def test_warm_start_caches_and_reuses(tmp_path, monkeypatch):
     assert (path / "model.safetensors").stat().st_mtime_ns == weights_mtime
     # a different setting is a different cache entry
     assert sft.cache_key(config.model_copy(update={"seed": 1})) != sft.cache_key(config)
+
+
+def test_sft_architecture_shapes_the_default_model_and_its_cache_key(tmp_path):
+    """sft.architecture builds another shape (what the larger-model study warm-starts); the default key is unchanged."""
+    config = _tiny_config(tmp_path / "cache")
+    assert config.sft.architecture == ArchitectureConfig(hidden_size=128, num_layers=2, num_heads=4,
+                                                         intermediate_size=384)
+    wide = config.model_copy(update={"sft": config.sft.model_copy(update={"architecture": ArchitectureConfig(
+        hidden_size=96, num_layers=3, num_heads=6, intermediate_size=160)})})
+    assert sft.cache_key(wide) != sft.cache_key(config)
+    path = sft.warm_start(wide)
+    shape = json.loads((path / "config.json").read_text())
+    assert [shape[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                               "intermediate_size")] == [96, 3, 6, 6, 160]
+    assert json.loads((path / sft.SUMMARY_FILE).read_text())["architecture"] == {
+        "hidden_size": 96, "num_layers": 3, "num_heads": 6, "intermediate_size": 160}
+    with pytest.raises(ConfigError) as bad:
+        load_config(None, ["sft.architecture.hidden_size=96", "sft.architecture.num_heads=5"])
+    assert str(bad.value) == "sft.architecture.num_heads (5) must divide sft.architecture.hidden_size (96)"
 
 
 def test_warm_start_returns_a_given_model_path_unchanged(tmp_path):

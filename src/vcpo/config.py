@@ -145,6 +145,28 @@ class TaskConfig(_Strict):
         return self
 
 
+class ArchitectureConfig(_Strict):
+    """The shape of the embedded default model (a Llama with tied embeddings and a character tokenizer). The
+    default, about 0.44M parameters, trains on two CPU cores in minutes; `hidden_size: 256, num_layers: 6,
+    num_heads: 8, intermediate_size: 768` is about 5M (the larger-model staleness study, docs/study.md)."""
+
+    hidden_size: int = Field(128, gt=0)
+    """The width of the residual stream (and of the tied embeddings)."""
+    num_layers: int = Field(2, gt=0)
+    """Transformer blocks."""
+    num_heads: int = Field(4, gt=0)
+    """Attention heads (as many key-value heads); must divide hidden_size."""
+    intermediate_size: int = Field(384, gt=0)
+    """The MLP's inner width."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ArchitectureConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"sft.architecture.num_heads ({self.num_heads}) must divide "
+                             f"sft.architecture.hidden_size ({self.hidden_size})")
+        return self
+
+
 class SFTConfig(_Strict):
     """The supervised warm start of the embedded default model (model.path: null); unused with a model.path."""
 
@@ -159,6 +181,8 @@ class SFTConfig(_Strict):
     Set it to cross warm starts with RL seeds (the staleness study's 2 warm starts x 4 seeds)."""
     cache_dir: str = ".cache/vcpo"
     """Where the warm-started default model is cached, keyed by its settings."""
+    architecture: ArchitectureConfig = Field(default_factory=ArchitectureConfig)
+    """The default model's shape (part of the cache key)."""
 
 
 class LaunchConfig(_Strict):

@@ -12,6 +12,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from vcpo.config import ArchitectureConfig
 from vcpo.tasks.base import Task
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
@@ -22,11 +23,12 @@ VOCAB_SAMPLE = 2000  # problems per split scanned for characters outside the bas
 # Llama rather than Qwen2: for model_type "qwen2" transformers 5's AutoTokenizer swaps in its own
 # Qwen2Tokenizer pipeline, which would drop the spaces of a character tokenizer.
 # Architecture of the default model (about 0.4M parameters): small enough that SFT plus a few minutes
-# of RL run on two CPU cores, large enough to learn two-term sums of small numbers.
-HIDDEN_SIZE = 128
-NUM_LAYERS = 2
-NUM_HEADS = 4
-INTERMEDIATE_SIZE = 384
+# of RL run on two CPU cores, large enough to learn two-term sums of small numbers. sft.architecture sets another.
+DEFAULT_ARCHITECTURE = ArchitectureConfig()
+HIDDEN_SIZE = DEFAULT_ARCHITECTURE.hidden_size
+NUM_LAYERS = DEFAULT_ARCHITECTURE.num_layers
+NUM_HEADS = DEFAULT_ARCHITECTURE.num_heads
+INTERMEDIATE_SIZE = DEFAULT_ARCHITECTURE.intermediate_size
 MAX_POSITIONS = 512
 
 
@@ -54,8 +56,10 @@ def task_characters(task: Task, seed: int) -> str:
     return "".join(sorted(seen))
 
 
-def build_default_model(task: Task, seed: int, out_dir: str | Path) -> Path:
-    """Save a random-initialised tiny Llama and its character tokenizer to ``out_dir``; returns the path.
+def build_default_model(task: Task, seed: int, out_dir: str | Path,
+                        architecture: ArchitectureConfig = DEFAULT_ARCHITECTURE) -> Path:
+    """Save a random-initialised Llama of ``architecture`` (the tiny default unless given) and its character
+    tokenizer to ``out_dir``; returns the path.
 
     The vocabulary is printable ASCII plus any other character found in the task's problems, so every
     prompt and answer tokenizes without ``<unk>``. Weights are in safetensors; both halves load offline
@@ -65,11 +69,11 @@ def build_default_model(task: Task, seed: int, out_dir: str | Path) -> Path:
     tokenizer = build_char_tokenizer(BASE_CHARACTERS + task_characters(task, seed))
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=INTERMEDIATE_SIZE,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_HEADS,
+        hidden_size=architecture.hidden_size,
+        intermediate_size=architecture.intermediate_size,
+        num_hidden_layers=architecture.num_layers,
+        num_attention_heads=architecture.num_heads,
+        num_key_value_heads=architecture.num_heads,
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,

@@ -42,6 +42,7 @@ def sft_seed(config: Config) -> int:
 
 def cache_key(config: Config) -> str:
     """A short hash of everything that determines the warm-started model."""
+    arch = config.sft.architecture
     determinants = {
         "format": FORMAT_VERSION,
         "task": config.task.name,
@@ -50,12 +51,7 @@ def cache_key(config: Config) -> str:
         "batch_size": config.sft.batch_size,
         "lr": config.sft.lr,
         "seed": sft_seed(config),
-        "architecture": [
-            default_model.HIDDEN_SIZE,
-            default_model.NUM_LAYERS,
-            default_model.NUM_HEADS,
-            default_model.INTERMEDIATE_SIZE,
-        ],
+        "architecture": [arch.hidden_size, arch.num_layers, arch.num_heads, arch.intermediate_size],
     }
     if config.task.instruction:  # it changes the raw prompts trained on; unset keeps every older key unchanged
         determinants["instruction"] = config.task.instruction
@@ -104,7 +100,7 @@ def warm_start(config: Config) -> Path:
 def _build_and_train(config: Config, task: Task, out_dir: Path, say: Any) -> dict[str, Any]:
     """Build the default model in ``out_dir``, fine-tune and save it there; returns a summary for ``sft.json``."""
     seed = sft_seed(config)
-    default_model.build_default_model(task, seed, out_dir)
+    default_model.build_default_model(task, seed, out_dir, config.sft.architecture)
     model, tokenizer = load_policy(out_dir, device=resolve_device(config.model.device))
     start = time.perf_counter()
     problems = task.problems("train", config.sft.steps * config.sft.batch_size, seed)
