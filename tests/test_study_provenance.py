@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from vcpo.study.export import export_sweep, rounded
-from vcpo.study.grids import STUDY2, WarmStartPin
+from vcpo.study.grids import STUDY2, STUDY4, WarmStartPin
 from vcpo.study.provenance import git_state, metrics_digest, warm_start_hash
 from vcpo.study.report import ReportError, write_report
 from vcpo.study.rerun import compare_metrics
@@ -73,6 +73,24 @@ def test_committed_warm_starts_match_their_pins_and_the_recipe():
                                                           "kwargs": config["task"]["kwargs"]}, ws
         assert {k: recipe[k] for k in ("steps", "batch_size", "lr")} == {
             k: config["sft"][k] for k in ("steps", "batch_size", "lr")}
+
+
+def test_the_larger_model_studys_warm_starts_match_their_pins_and_the_recipe():
+    """study4's pinned warm starts: study2's SFT recipe at 6 layers, d 256, 8 heads, MLP 768 (5.1M parameters)."""
+    from safetensors.torch import load_file
+
+    config = yaml.safe_load(STUDY_CONFIG.read_text())
+    for i, (ws, pin) in enumerate(STUDY4.warm_starts.items()):
+        path = ROOT / pin.path
+        assert warm_start_hash(path) == pin.sha, f"{pin.path} changed: a new warm start needs a new pin"
+        recipe = json.loads((path / "sft.json").read_text())
+        assert recipe["seed"] == i and recipe["task"]["kwargs"] == config["task"]["kwargs"], ws
+        assert {k: recipe[k] for k in ("steps", "batch_size", "lr")} == {
+            k: config["sft"][k] for k in ("steps", "batch_size", "lr")}
+        assert recipe["architecture"] == {"hidden_size": 256, "num_layers": 6, "num_heads": 8,
+                                          "intermediate_size": 768}
+        params = sum(w.numel() for w in load_file(path / "model.safetensors").values())
+        assert 5.0e6 < params < 5.2e6, params  # 11.6x the default's 0.44M
 
 
 @pytest.fixture(scope="module")

@@ -115,4 +115,15 @@ STUDY3 = Grid(
     warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts_tools/w0", "2f2ffd81b9078568"),
                  "w4": WarmStartPin("benchmarks/staleness/warm_starts_tools/w4", "64c05b3a2c847bfe")},
 )
-GRIDS = {"study2": STUDY2, "study3": STUDY3, "study1": STUDY1, "quick": QUICK, "study2_mismatch": STUDY2_MISMATCH}
+# study4 (issue 37, item 2): study2's task, config and learning rate at a model 11.6x larger (6 layers, d 256,
+# 8 heads, MLP 768: 5.1M parameters against 0.44M), built by `vcpo sft -c configs/staleness_study.yaml sft.seed=N
+# sft.architecture.hidden_size=256 sft.architecture.num_layers=6 sft.architecture.num_heads=8
+# sft.architecture.intermediate_size=768 --save DIR`. lr 3e-4 chosen on k = 0 (synchronous GRPO from w0: 0.264 ->
+# 0.360 in 300 steps; at 6e-4 it falls to 0.16-0.24): benchmarks/staleness/study4/README.md. 4 arms x 3 k x 2 seeds
+# x 2 warm starts = 48 cells of about 5.5 minutes with 2 workers on the 2-core VM (2.2 hours).
+STUDY4 = Grid(arms=["grpo", "vcpo", "vcpo_gonly", "vespo"], ks=[0, 16, 64], seeds=[0, 1],
+              base_config="configs/staleness_study.yaml", overrides=[],
+              warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts_large/w0", "1184fdc84235ba47"),
+                           "w1": WarmStartPin("benchmarks/staleness/warm_starts_large/w1", "12fd071420e7ec92")})
+GRIDS = {"study2": STUDY2, "study3": STUDY3, "study1": STUDY1, "quick": QUICK, "study2_mismatch": STUDY2_MISMATCH,
+         "study4": STUDY4}
