@@ -105,26 +105,32 @@ def test_an_update_mid_generation_aborts_and_the_rest_is_sampled_under_the_new_w
     model = perturbed(policy[0], seed=3, scale=0.5)  # far from SFT: long responses (4 to 380 tokens seen)
     new_model = perturbed(model, seed=1)
     engine = engine_for(server, policy, tmp_path)
-    spanning = 0
     # When to publish so that the pause lands mid-decode depends on the machine: the server's /metrics answers only
     # between batches, so its progress cannot be polled (a poll once saw 0 tokens, the next the finished batch), and
-    # on a loaded machine this process's sleeps overrun by seconds. Each attempt waits twice as long as the one before
-    # (and swaps the two models). What must hold: every token is one model's, the old ones before the new ones, and in
-    # some attempt responses crossed the update. Measured on the 2-core VM: idle, 4 of 4 runs crossed at the first
-    # attempt; beside three CPU burners (load 6-7), 3 of 4 runs passed and one crossed in none of its 6 attempts.
-    for attempt, delay_s in enumerate((0.25, 0.5, 1.0, 2.0, 4.0, 8.0)):
+    # on a loaded machine this process's sleeps overrun by seconds. So the delay is searched: an attempt whose update
+    # came after every token (all sampled by the old weights) halves it, one whose update came before them doubles
+    # it (each attempt swaps the two models). What must hold: every token is one model's, the old ones before the new
+    # ones, and in some attempt responses crossed the update. Measured on the 2-core VM: with the earlier fixed
+    # doubling schedule from 0.25 s, beside three CPU burners (load 6-7), one of 4 runs crossed in none of its 6
+    # attempts; with this search at load 3, 0.25 s crossed at once, and a search started at 16 s halved six times
+    # (every update after the batch) to cross at 0.25 s; one started at 0 s crossed at once.
+    delay_s, tried = 0.25, []
+    for attempt in range(8):
         old, new = (model, new_model) if attempt % 2 == 0 else (new_model, model)
-        spanning += update_mid_generation(engine, old, new, version=2 * attempt, delay_s=delay_s)
-        if spanning:
+        crossed, too_late = update_mid_generation(engine, old, new, version=2 * attempt, delay_s=delay_s)
+        tried.append((delay_s, crossed, too_late))
+        if crossed:
             break
-    assert spanning > 0, "no response crossed an update in 6 attempts"
+        delay_s = delay_s / 2 if too_late else delay_s * 2
+    assert tried[-1][1] > 0, f"no response crossed an update in 8 attempts: (delay s, crossed, too late) {tried}"
     assert httpx.get(server + "/is_paused").json() == {"is_paused": False}
     engine.load_weights(policy[0].state_dict(), 0)
 
 
-def update_mid_generation(engine: ServerRolloutEngine, old, new, version: int, delay_s: float) -> int:
+def update_mid_generation(engine: ServerRolloutEngine, old, new, version: int, delay_s: float) -> tuple[int, bool]:
     """Generate under ``old`` (as ``version``) and publish ``new`` (``version + 1``) ``delay_s`` after the call; check
-    that each response's tokens are ``old``'s then ``new``'s; return how many responses crossed the update."""
+    that each response's tokens are ``old``'s then ``new``'s; return how many responses crossed the update and whether
+    it came too late (no token at all was the new weights')."""
     engine.load_weights(old.state_dict(), version)
     sampling = SamplingParams(max_new_tokens=400)
     result: dict = {}
@@ -133,7 +139,7 @@ def update_mid_generation(engine: ServerRolloutEngine, old, new, version: int, d
     time.sleep(delay_s)
     engine.load_weights(new.state_dict(), version + 1)  # pause (abort) -> reload -> resume, then the weight check
     worker.join(timeout=300)
-    spanning = 0
+    spanning = any_new = 0
     for prompt, g in zip(PROMPTS * 4, result["gens"], strict=True):
         if not g.response_ids:
             continue
@@ -155,10 +161,11 @@ def update_mid_generation(engine: ServerRolloutEngine, old, new, version: int, d
             f"new-weights one at {int(where[cut])}; versions {g.versions}; gaps to the old weights' log-probs "
             f"{gap_old[where].tolist()}, to the new ones' {gap_new[where].tolist()}")
         spanning += 0 < cut < len(by_new)
+        any_new += cut < len(by_new)
         # One version per call, in order. A continuation sent while the update is under way is tagged with the old
         # version though the new weights sample it (docs/server.md: it errs on the safe side of the bound).
         assert g.versions == sorted(g.versions) and set(g.versions) <= {version, version + 1}
-    return spanning
+    return spanning, any_new == 0
 
 
 def test_the_weight_check_stops_a_server_that_kept_its_tied_head(server, policy, tmp_path, monkeypatch):
