@@ -115,7 +115,7 @@ STUDY3 = Grid(
     warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts_tools/w0", "2f2ffd81b9078568"),
                  "w4": WarmStartPin("benchmarks/staleness/warm_starts_tools/w4", "64c05b3a2c847bfe")},
 )
-# study4 (issue 37, item 2): study2's task, config and learning rate at a model 11.6x larger (6 layers, d 256,
+# study4 (issue 37, item 2): study2's task, config and learning rate at a model 11.7x larger (6 layers, d 256,
 # 8 heads, MLP 768: 5.1M parameters against 0.44M), built by `vcpo sft -c configs/staleness_study.yaml sft.seed=N
 # sft.architecture.hidden_size=256 sft.architecture.num_layers=6 sft.architecture.num_heads=8
 # sft.architecture.intermediate_size=768 --save DIR`. lr 3e-4 chosen on k = 0 (synchronous GRPO from w0: 0.264 ->
