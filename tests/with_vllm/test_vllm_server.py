@@ -107,40 +107,44 @@ def test_an_update_mid_generation_aborts_and_the_rest_is_sampled_under_the_new_w
     engine = engine_for(server, policy, tmp_path)
     # When to publish so that the pause lands mid-decode depends on the machine: the server's /metrics answers only
     # between batches, so its progress cannot be polled (a poll once saw 0 tokens, the next the finished batch), and
-    # on a loaded machine this process's sleeps overrun by seconds. So the delay is searched: an attempt whose update
-    # came after every token (all sampled by the old weights) halves it, one whose update came before them doubles
-    # it (each attempt swaps the two models). What must hold: every token is one model's, the old ones before the new
-    # ones, and in some attempt responses crossed the update. Measured on the 2-core VM: with the earlier fixed
-    # doubling schedule from 0.25 s, beside three CPU burners (load 6-7), one of 4 runs crossed in none of its 6
-    # attempts; with this search at load 3, 0.25 s crossed at once, and a search started at 16 s halved six times
-    # (every update after the batch) to cross at 0.25 s; one started at 0 s crossed at once.
-    delay_s, tried = 0.25, []
+    # on a loaded machine this process's sleeps overrun by seconds, while writing the new weights before the pause
+    # can outlast a whole batch. So the attempt is searched: one whose update came before every token doubles the
+    # delay; one whose update came after every token (all sampled by the old weights) halves it and doubles the
+    # batch. Each attempt swaps the two models. What must hold: every token is one model's, the old ones before the
+    # new ones, and in some attempt responses crossed the update. Measured on the 2-core VM: idle, 32 rows at 0.25 s
+    # crossed at once; beside the 2-worker study grid (load 2-7), a search of the delay alone found every update
+    # after the batch down to 2 ms (32 rows), which is why the batch grows: this search crossed at 64 or 128 rows.
+    delay_s, copies, tried = 0.25, 4, []
     for attempt in range(8):
         old, new = (model, new_model) if attempt % 2 == 0 else (new_model, model)
-        crossed, too_late = update_mid_generation(engine, old, new, version=2 * attempt, delay_s=delay_s)
-        tried.append((delay_s, crossed, too_late))
+        crossed, too_late = update_mid_generation(engine, old, new, PROMPTS * copies, 2 * attempt, delay_s)
+        tried.append((delay_s, len(PROMPTS) * copies, crossed, too_late))
         if crossed:
             break
-        delay_s = delay_s / 2 if too_late else delay_s * 2
-    assert tried[-1][1] > 0, f"no response crossed an update in 8 attempts: (delay s, crossed, too late) {tried}"
+        if too_late:
+            delay_s, copies = max(delay_s / 2, 0.02), min(copies * 2, 64)
+        else:
+            delay_s *= 2
+    assert tried[-1][2] > 0, f"no response crossed an update in 8 attempts: (delay s, rows, crossed, too late) {tried}"
     assert httpx.get(server + "/is_paused").json() == {"is_paused": False}
     engine.load_weights(policy[0].state_dict(), 0)
 
 
-def update_mid_generation(engine: ServerRolloutEngine, old, new, version: int, delay_s: float) -> tuple[int, bool]:
-    """Generate under ``old`` (as ``version``) and publish ``new`` (``version + 1``) ``delay_s`` after the call; check
-    that each response's tokens are ``old``'s then ``new``'s; return how many responses crossed the update and whether
-    it came too late (no token at all was the new weights')."""
+def update_mid_generation(engine: ServerRolloutEngine, old, new, prompts: list, version: int,
+                          delay_s: float) -> tuple[int, bool]:
+    """Generate ``prompts`` under ``old`` (as ``version``) and publish ``new`` (``version + 1``) ``delay_s`` after the
+    call; check that each response's tokens are ``old``'s then ``new``'s; return how many responses crossed the
+    update and whether it came too late (no token at all was the new weights')."""
     engine.load_weights(old.state_dict(), version)
     sampling = SamplingParams(max_new_tokens=400)
     result: dict = {}
-    worker = threading.Thread(target=lambda: result.update(gens=engine.generate(PROMPTS * 4, sampling)))
+    worker = threading.Thread(target=lambda: result.update(gens=engine.generate(prompts, sampling)))
     worker.start()
     time.sleep(delay_s)
     engine.load_weights(new.state_dict(), version + 1)  # pause (abort) -> reload -> resume, then the weight check
     worker.join(timeout=300)
     spanning = any_new = 0
-    for prompt, g in zip(PROMPTS * 4, result["gens"], strict=True):
+    for prompt, g in zip(prompts, result["gens"], strict=True):
         if not g.response_ids:
             continue
         sampled = torch.tensor(g.behavior_logprobs)
