@@ -103,10 +103,10 @@ STUDY2_MISMATCH = Grid(arms=["grpo", "vcpo", "vcpo_gonly", "vcpo_ess_only"], ks=
 # study3 (issue 37): the tool task of configs/tools.yaml (multi-turn SimpleTIR-format products, every tool call a
 # real sandbox run), lagged, at the shipped learning rate 3e-4 for every arm (a later probe on k = 0 prefers 1e-4,
 # within noise; add trainer.lr=1e-4 to run the grid there: benchmarks/staleness/study3_lr1e-4/), 40 steps
-# (synchronous GRPO plateaus by step 10-20: benchmarks/staleness/probe_study3/). Pinned warm starts: w0 (SFT seed 0, 300 steps, held-out 0.660) and
-# w4 (SFT seed 1, 600 steps, 0.755; synchronous GRPO 0.755 -> 0.825 in 40 steps). 300-step SFT is unreliable across
-# seeds (0.03-0.66), synchronous GRPO collapses from seed 1's 300-step model (0.380) and falls from seed 2's 600-step
-# one (w3, 0.59 -> 0.47); benchmarks/staleness/warm_starts_tools/README.md.
+# (synchronous GRPO plateaus by step 10-20: benchmarks/staleness/probe_study3/). Pinned warm starts: w0 (SFT seed 0,
+# 300 steps, held-out 0.660) and w4 (SFT seed 1, 600 steps, 0.755; synchronous GRPO 0.755 -> 0.825 in 40 steps).
+# 300-step SFT is unreliable across seeds (0.03-0.66), synchronous GRPO collapses from seed 1's 300-step model (0.380)
+# and falls from seed 2's 600-step one (w3, 0.59 -> 0.47); benchmarks/staleness/warm_starts_tools/README.md.
 # 5 arms x 4 k x 3 seeds = 60 cells, about 2-7 minutes each with 2 workers. What was cut from issue 37's grid, and
 # why: benchmarks/staleness/study3/README.md.
 STUDY3 = Grid(
