@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from vcpo.models.default import DEFAULT_ARCHITECTURE
 from vcpo.study.export import export_sweep, rounded
 from vcpo.study.grids import STUDY2, STUDY4, WarmStartPin
 from vcpo.study.provenance import git_state, metrics_digest, warm_start_hash
@@ -63,7 +64,7 @@ def test_git_state_commit_and_dirty_flag(tmp_path):
     assert git_state(tmp_path)["dirty"] is True
 
 
-DEFAULT_SHAPE = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "intermediate_size": 384}
+DEFAULT_SHAPE = DEFAULT_ARCHITECTURE.model_dump()
 LARGE_SHAPE = {"hidden_size": 256, "num_layers": 6, "num_heads": 8, "intermediate_size": 768}
 
 

@@ -121,7 +121,7 @@ STUDY3 = Grid(
 # sft.architecture.hidden_size=256 sft.architecture.num_layers=6 sft.architecture.num_heads=8
 # sft.architecture.intermediate_size=768 --save DIR`. lr 3e-4 chosen on k = 0 (synchronous GRPO from w0: 0.264 ->
 # 0.360 in 300 steps; at 6e-4 it falls to 0.16-0.24): benchmarks/staleness/study4/README.md. 4 arms x 3 k x 2 seeds
-# x 2 warm starts = 48 cells of 5.5-7 minutes with 2 workers on the idle 2-core VM (2.2-2.8 hours); seed 0 ran.
+# x 2 warm starts = 48 cells of 5.5-7 minutes with 2 workers on the idle 2-core VM (2.2-2.8 hours); all 48 ran.
 STUDY4 = Grid(arms=["grpo", "vcpo", "vcpo_gonly", "vespo"], ks=[0, 16, 64], seeds=[0, 1],
               base_config="configs/staleness_study.yaml", overrides=[],
               warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts_large/w0", "1184fdc84235ba47"),
