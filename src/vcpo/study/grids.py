@@ -28,6 +28,12 @@ ARMS: dict[str, tuple[str, ...]] = {
                    "advantage.opob_variant=grad_only", ESS_LR),
     "vcpo_gonly_proxy": ("objective.name=vcpo", "advantage.estimator=opob", "advantage.grad_norm_method=logit_proxy",
                          "advantage.opob_variant=grad_only", ESS_LR),
+    # issue 46: VCPO's two controls (OPOB grad_only with the logit proxy for G, and the ESS learning rate) on top of
+    # another objective's kernel: VESPO's (the best arm at 5.1M) and PPO-clip's (grpo).
+    "vespo_vc": ("objective.name=vespo", "advantage.estimator=opob", "advantage.grad_norm_method=logit_proxy",
+                 "advantage.opob_variant=grad_only", ESS_LR),
+    "grpo_vc": ("objective.name=grpo", "advantage.estimator=opob", "advantage.grad_norm_method=logit_proxy",
+                "advantage.opob_variant=grad_only", ESS_LR),
 }
 """Each arm: the dotted overrides (as `vcpo train` takes them) that turn the base config into that method."""
 
@@ -72,7 +78,8 @@ class Grid:
 # study1 (issue 5, benchmarks/staleness/full/): the embedded default at lr 4e-4, chosen by the probes
 # probe_lr3e-4 (nothing collapses in 200 steps), probe_lr5e-4_7e-4 (k=0 barely learns, k=64 grpo collapses)
 # and probe_lr1e-3 (even k=0 degrades). 90 cells, 74 minutes with 2 workers on the 2-core VM.
-STUDY1 = Grid(arms=list(ARMS), ks=[0, 4, 16, 64, 128], seeds=[0, 1], base_config="configs/quickstart.yaml",
+STUDY1 = Grid(arms=["grpo", "tis_seq", "icepop", "m2po", "vespo", "gspo", "vcpo", "vcpo_ess_only", "vcpo_opob_only"],
+              ks=[0, 4, 16, 64, 128], seeds=[0, 1], base_config="configs/quickstart.yaml",
               overrides=["trainer.lr=4e-4", "trainer.max_steps=300", "trainer.eval_every=25", "task.eval_size=200"])
 # quick: 15 cells of 60 steps, about 5 minutes with 2 workers.
 QUICK = Grid(arms=["grpo", "tis_seq", "vcpo", "vcpo_ess_only", "vcpo_opob_only"], ks=[0, 8, 32], seeds=[0],
