@@ -263,6 +263,14 @@ class RolloutConfig(_Strict):
     """Longest completion in tokens (per model turn for a multi-turn tool task); also used by every evaluation."""
     engine: Literal["hf", "server"] = "hf"
     """``hf``: in-process Hugging Face generation; ``server``: the inference servers of ``rollout.server``."""
+    filter: Literal["none", "zero_variance"] = "none"
+    """Dynamic sampling (DAPO): ``zero_variance`` drops each finished group whose rewards are all equal (every
+    advantage 0: no signal), frees its staleness capacity, and generates more until a step has
+    ``prompts_per_step`` informative groups (docs/trainer.md, dynamic sampling); ``none`` trains on every group."""
+    filter_max_factor: float = Field(4.0, ge=1)
+    """With ``filter: zero_variance``, the most groups a step generates per group it trains (a cap of
+    floor(this x prompts_per_step) groups); a step that reaches it trains on what it has, topped up with dropped
+    groups (``filter/cap_hit`` = 1)."""
     server: ServerConfig = Field(default_factory=ServerConfig)
     study_mismatch_std: float = Field(0.0, ge=0)
     """STUDY ONLY, off (0) by default: simulate a sampler/learner kernel mismatch by adding reward-independent noise
@@ -735,6 +743,13 @@ class Config(_Strict):
         if ac.mode == "lagged" and (lag is None or lag == k):
             raise ValueError(f"async.replay.generation_lag must be below {name}={k} in lagged mode: fresh groups "
                              f"arrive exactly that old, so none could ever be replayed")
+        return self
+
+    @model_validator(mode="after")
+    def _filter_needs_groups(self) -> Config:
+        if self.rollout.filter != "none" and self.rollout.group_size < 2:
+            raise ValueError(f"rollout.filter={self.rollout.filter} needs rollout.group_size >= 2 (got "
+                             f"{self.rollout.group_size}): a group of one has no reward spread to judge")
         return self
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ from rich.console import Console
 
 from vcpo.errors import RunFailed, signal_name
 from vcpo.models.lora import sync_state_dict
+from vcpo.orchestration.filtering import DynamicSampling
 from vcpo.orchestration.staleness import StalenessController
 from vcpo.orchestration.worker import WorkerSpec, rollout_worker
 from vcpo.rollout.weights import WeightPublisher
@@ -61,11 +62,13 @@ def _exit_text(code: int | None) -> str:
 
 
 class AsyncSource:
-    """Rollout worker processes, fed and restarted from the learner's (main) thread."""
+    """Rollout worker processes, fed and restarted from the learner's (main) thread. ``sampling``: dynamic sampling
+    (``rollout.filter``): a group without signal is dropped as it arrives, frees its admission capacity, and the
+    workers generate another in its place."""
 
     def __init__(self, model: torch.nn.Module, spec: WorkerSpec, num_workers: int, max_staleness: int,
                  drop_older_than: float | None, start_version: int = 0, max_restarts: int = 3,
-                 publisher: WeightPublisher | None = None) -> None:
+                 publisher: WeightPublisher | None = None, sampling: DynamicSampling | None = None) -> None:
         self._ctx = mp.get_context("spawn")
         self.spec = spec
         self.P = spec.prompts_per_step
@@ -88,6 +91,8 @@ class AsyncSource:
         self._before: dict[str, int] = {}  # counts of earlier processes of this run (resume)
         self._failure: str | None = None
         self._inbox: deque[list[Trajectory]] = deque()  # groups received, not yet handed to next_batch
+        self.sampling = sampling
+        self._filter_metrics: dict[str, float] = {}  # of the last batch
 
     def _spawn(self, worker_id: int) -> _Worker:
         ticket_reader, ticket_writer = self._ctx.Pipe(duplex=False)
@@ -190,6 +195,8 @@ class AsyncSource:
             self._admit()
         if self._failure is not None:
             raise RunFailed(self._failure)
+        if self.sampling is not None:
+            return self._filled_batch(learner_version)
         batch: list[Trajectory] = []
         kept = 0
         while kept < self.P:
@@ -200,6 +207,21 @@ class AsyncSource:
             else:
                 self._admit()  # the drop freed admission capacity
         return batch
+
+    def _filled_batch(self, learner_version: int) -> list[Trajectory]:
+        """``next_batch`` under dynamic sampling: groups within the bound are judged as they arrive; one without
+        signal frees its capacity for a new group, until the step has P informative groups or hit the cap."""
+        fill = self.sampling.fill()
+        while not fill.done:
+            group = self._receive()
+            if not self.controller.keep(group, learner_version):
+                self._admit()  # the drop freed admission capacity
+            elif not fill.offer(group):
+                self.controller.release()
+                self._admit()
+        groups, self._filter_metrics = fill.result()
+        self.controller.reclaim(fill.reclaimed)
+        return [t for g in groups for t in g]
 
     def _lock(self, i: int) -> Any:
         """Acquire worker i's weight lock; a worker that died holding it is replaced, one that holds it past
@@ -254,6 +276,7 @@ class AsyncSource:
         out = {"staleness/dropped_over_bound": float(s.dropped_over_bound + self._before.get("dropped_over_bound", 0)),
                "staleness/dropped_alpha": float(s.dropped_alpha + self._before.get("dropped_alpha", 0)),
                "async/worker_restarts": float(self.restarts + self._before.get("worker_restarts", 0))}
+        out |= self._filter_metrics
         if self.publisher is not None:  # the last update of the servers (as the Ray backend reports it)
             out["time/weight_publish_s"] = self.publish_s
         return out

@@ -8,6 +8,7 @@ import torch
 
 from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.base import RolloutContext, generator_for, trajectory_from_dict, trajectory_to_dict
+from vcpo.orchestration.filtering import DynamicSampling
 from vcpo.rollout.collect import collect_groups
 from vcpo.types import Trajectory
 
@@ -19,6 +20,37 @@ def _generate_batch(engine, ctx: RolloutContext, index: int) -> list[Trajectory]
         ctx.group_size, ctx.sampling, generator_for(ctx.seed, index),
     )
     return [t for g in groups for t in g]
+
+
+class _Batches:
+    """Where a local source's batches come from: batch ``index`` of the problem stream (``rollout.filter: none``),
+    or, with dynamic sampling, rounds of P groups read from a cursor into the stream (``next_group``, kept in the
+    checkpoint) until a step has P informative groups or hit the cap; a round's surplus informative groups are not
+    trained (the next round would be one step staler)."""
+
+    def __init__(self, ctx: RolloutContext, sampling: DynamicSampling | None) -> None:
+        self.ctx, self.sampling = ctx, sampling
+        self.next_group = 0
+
+    def make(self, engine, index: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """The batch trained at step ``index`` and its ``filter/*`` metrics (none without a filter)."""
+        if self.sampling is None:
+            return _generate_batch(engine, self.ctx, index), {}
+        ctx, fill = self.ctx, self.sampling.fill()
+        while not fill.done:
+            indices = list(range(self.next_group, self.next_group + min(ctx.stream.prompts_per_step, fill.room)))
+            for group in collect_groups(engine, ctx.tokenizer, ctx.task, [ctx.stream.group(i) for i in indices],
+                                        indices, ctx.group_size, ctx.sampling, generator_for(ctx.seed, indices[0])):
+                fill.offer(group)
+            self.next_group = indices[-1] + 1
+        groups, metrics = fill.result()
+        return [t for g in groups for t in g], metrics
+
+    def state(self) -> dict[str, Any]:
+        return {} if self.sampling is None else {"next_group": self.next_group}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.next_group = int(state.get("next_group", 0))
 
 
 def _at_version(engine, remote_model: torch.nn.Module | None, version: int) -> None:
@@ -38,16 +70,21 @@ def _made_at(batch: list[Trajectory], index: int) -> int:
 class SyncSource:
     """Generate batch t with the current weights, then train on it: every token has lag 0.
 
-    ``remote_model``: the learner's model, whose weights are published to an engine that does not share it."""
+    ``remote_model``: the learner's model, whose weights are published to an engine that does not share it;
+    ``sampling``: dynamic sampling (``rollout.filter``), refilling each batch at the current weights."""
 
-    def __init__(self, engine, ctx: RolloutContext, remote_model: torch.nn.Module | None = None) -> None:
+    def __init__(self, engine, ctx: RolloutContext, remote_model: torch.nn.Module | None = None,
+                 sampling: DynamicSampling | None = None) -> None:
         self.engine = engine
         self.ctx = ctx
         self.remote_model = remote_model
+        self.batches = _Batches(ctx, sampling)
+        self._metrics: dict[str, float] = {}
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         _at_version(self.engine, self.remote_model, learner_version)
-        return _generate_batch(self.engine, self.ctx, learner_version)
+        batch, self._metrics = self.batches.make(self.engine, learner_version)
+        return batch
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         if self.remote_model is None:
@@ -57,13 +94,13 @@ class SyncSource:
         pass  # every token has lag 0 whatever the bound
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        return self._metrics
 
     def state(self) -> dict[str, Any]:
-        return {}
+        return self.batches.state()
 
     def load_state(self, state: dict[str, Any]) -> None:
-        pass
+        self.batches.load_state(state)
 
     def close(self) -> None:
         pass
@@ -81,15 +118,21 @@ class LaggedSource:
     lag at 0 (the weights of v - K' are gone), from where it grows by one per step back to K'; raising it lets the
     lag grow one step per step from K to K' after the K queued batches are used up. Either way no batch is ever
     trained at a lag above the k in force, and the run stays exactly reproducible.
+
+    With dynamic sampling (``sampling``) each batch is filled when it is generated, at the weights it is generated
+    with, and its ``filter/*`` metrics are reported at the step that trains it (they are queued with it).
     """
 
     def __init__(self, engine, ctx: RolloutContext, max_staleness: int,
-                 remote_model: torch.nn.Module | None = None) -> None:
+                 remote_model: torch.nn.Module | None = None, sampling: DynamicSampling | None = None) -> None:
         self.engine = engine
         self.ctx = ctx
         self.remote_model = remote_model
         self.k = max_staleness
+        self.batches = _Batches(ctx, sampling)
         self.pending: dict[int, list[Trajectory]] = {}
+        self.pending_metrics: dict[int, dict[str, float]] = {}  # filter/* of each queued batch
+        self._metrics: dict[str, float] = {}  # of the batch trained last
         self.dropped = 0  # groups of the batches dropped for a lowered bound
         self.adaptive = False  # set_bound was called: the drop count is reported
 
@@ -98,15 +141,17 @@ class LaggedSource:
         from ``version`` (at the start of a run, batches 0..k all use version 0)."""
         for index in [i for i, b in self.pending.items() if i - _made_at(b, i) > self.k]:
             self.dropped += len({t.group_id for t in self.pending.pop(index)})
+            self.pending_metrics.pop(index, None)
         missing = [i for i in range(version, version + self.k + 1) if i not in self.pending]
         if missing:
             _at_version(self.engine, self.remote_model, version)
         for index in missing:
-            self.pending[index] = _generate_batch(self.engine, self.ctx, index)
+            self.pending[index], self.pending_metrics[index] = self.batches.make(self.engine, index)
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         if learner_version not in self.pending:
             self._fill(learner_version)
+        self._metrics = self.pending_metrics.pop(learner_version, {})
         return self.pending.pop(learner_version)
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
@@ -117,16 +162,23 @@ class LaggedSource:
         self.adaptive = True
 
     def metrics(self) -> dict[str, float]:
-        return {"staleness/dropped_over_bound": float(self.dropped)} if self.adaptive else {}
+        return ({"staleness/dropped_over_bound": float(self.dropped)} if self.adaptive else {}) | self._metrics
 
     def state(self) -> dict[str, Any]:
-        """The queued batches by index (``"dropped"``: the drop count, when any batch was dropped)."""
+        """The queued batches by index (``"dropped"``: the drop count, when any batch was dropped; with dynamic
+        sampling, ``"filter"``: the stream cursor and each queued batch's metrics)."""
         state: dict[str, Any] = {str(i): [trajectory_to_dict(t) for t in b] for i, b in self.pending.items()}
+        if self.batches.sampling is not None:
+            state["filter"] = self.batches.state() | {"metrics": {str(i): m for i, m in self.pending_metrics.items()}}
         return state | ({"dropped": self.dropped} if self.dropped else {})
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.dropped = int(state.get("dropped", 0))
-        self.pending = {int(i): [trajectory_from_dict(d) for d in b] for i, b in state.items() if i != "dropped"}
+        sampled = state.get("filter", {})
+        self.batches.load_state(sampled)
+        self.pending_metrics = {int(i): m for i, m in sampled.get("metrics", {}).items()}
+        self.pending = {int(i): [trajectory_from_dict(d) for d in b] for i, b in state.items()
+                        if i not in ("dropped", "filter")}
 
     def close(self) -> None:
         pass

@@ -4,7 +4,8 @@ The policy lag of a token is ``learner_version - version_that_produced_it``. Wit
 rollout group may start only while ``admitted - dropped < (k + version + 1) * groups_per_step``
 (AReaL's rule, ALGORITHMS.md §9); at batch time every group is checked again and one whose oldest
 token would lag more than k (or more than ROLL Flash's alpha, when set) is dropped, so the bound
-holds even when groups finish out of order. The bound may change between steps (``set_bound``).
+holds even when groups finish out of order. The bound may change between steps (``set_bound``). A finished group
+that dynamic sampling drops (vcpo.orchestration.filtering) frees its capacity as a dropped stale one does.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class StalenessStats:
     admitted: int = 0
     dropped_over_bound: int = 0
     dropped_alpha: int = 0
+    filtered: int = 0
+    """Groups dropped by dynamic sampling (net of those a step took back as fillers at its cap)."""
 
 
 class StalenessController:
@@ -58,7 +61,19 @@ class StalenessController:
             return self._version
 
     def _net(self) -> int:
-        return self.stats.admitted - self.stats.dropped_over_bound - self.stats.dropped_alpha
+        s = self.stats
+        return s.admitted - s.dropped_over_bound - s.dropped_alpha - s.filtered
+
+    def release(self, groups: int = 1) -> None:
+        """``groups`` finished groups left out of the batch by dynamic sampling: their admission capacity is free."""
+        with self._cond:
+            self.stats.filtered += groups
+            self._cond.notify_all()
+
+    def reclaim(self, groups: int) -> None:
+        """``groups`` released groups that a step trains after all (fillers at the dynamic-sampling cap)."""
+        with self._cond:
+            self.stats.filtered -= groups
 
     def set_bound(self, k: int) -> None:
         """Change k live (``async.max_staleness: auto``): admission uses the new k at once, so lowering it holds new

@@ -20,7 +20,10 @@ STEP_DIR = re.compile(r"^step_(\d{6,})$")
 LATEST_FILE = "latest"
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
-_STARTED_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, "tensorboard", "wandb", "mlflow.db", "checkpoints")
+TRAINED_GROUPS_FILE = "trained_groups.jsonl"
+"""One line per trained group (vcpo.train.trained_groups)."""
+_STARTED_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TRAINED_GROUPS_FILE, "tensorboard", "wandb", "mlflow.db",
+                  "checkpoints")
 """What a run writes into its directory; a failed fresh start removes exactly these."""
 
 
@@ -110,7 +113,7 @@ class RunDirectory:
 
     ``open`` (called once everything that can fail cheaply has been checked) writes ``config.yaml``
     atomically and removes ``summary.json`` (it marks a run that is over: completed or stopped); a fresh
-    start also clears the metrics an earlier, checkpoint-less run left. ``discard`` (on a
+    start also clears the metrics and trained groups an earlier, checkpoint-less run left. ``discard`` (on a
     failure before the first checkpoint of a fresh start) removes everything ``open`` and the run made,
     so that no directory remains that ``--resume`` would accept; a resumed run's directory is never removed.
     """
@@ -127,6 +130,7 @@ class RunDirectory:
             (self.path / SUMMARY_FILE).unlink(missing_ok=True)  # written again when the run ends
             if not self.resume:
                 (self.path / METRICS_FILE).unlink(missing_ok=True)
+                (self.path / TRAINED_GROUPS_FILE).unlink(missing_ok=True)
         except OSError as e:
             raise DiskError(self.path, e) from None
         self._opened = True

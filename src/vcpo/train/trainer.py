@@ -30,6 +30,7 @@ from vcpo.models.loading import load_policy
 from vcpo.models.lora import apply_lora_config, is_lora, save_adapter_config
 from vcpo.orchestration import LaggedSource, ProblemStream, RolloutContext, RolloutSource, SyncSource
 from vcpo.orchestration.adaptive_staleness import adaptive_staleness
+from vcpo.orchestration.filtering import DynamicSampling
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.engine import HFRolloutEngine
 from vcpo.runtime import configure_cpu, resolve_device
@@ -42,9 +43,10 @@ from vcpo.train.evaluate import EvalSettings
 from vcpo.train.evaluate import evaluate as evaluate_policy
 from vcpo.train.health import RunHealth, ended
 from vcpo.train.learner import Learner
-from vcpo.train.run_dir import SUMMARY_FILE, RunDirectory, complete_checkpoints, resume_candidates
+from vcpo.train.run_dir import SUMMARY_FILE, TRAINED_GROUPS_FILE, RunDirectory, complete_checkpoints, resume_candidates
 from vcpo.train.sft import warm_start
 from vcpo.train.signals import ForcedExit, StopRequested, StopSignals
+from vcpo.train.trained_groups import append_trained_groups, trained_group_records
 from vcpo.types import Batch, Problem, SamplingParams, Trajectory
 
 console = Console(stderr=True)
@@ -118,10 +120,17 @@ def make_source(config: Config, learner: Learner, tokenizer, task, model_path: P
                         inner_follows_bound=config.async_.generation_follows_bound())
 
 
+def dynamic_sampling(config: Config) -> DynamicSampling | None:
+    """``rollout.filter`` as every source applies it (None: ``none``, every group is trained)."""
+    rc = config.rollout
+    return None if rc.filter == "none" else DynamicSampling(rc.prompts_per_step, rc.filter_max_factor)
+
+
 def _generating_source(config: Config, learner: Learner, tokenizer, task, model_path: Path, backend,
                        server: ServerConfig) -> RolloutSource:
     rc = config.rollout
-    sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens)
+    sampling = dynamic_sampling(config)
+    params = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens)
     mode = config.async_.mode
     servers = _server_engine(config, server, model_path, learner.model, tokenizer) if rc.engine == "server" else None
     if mode == "async":
@@ -131,7 +140,7 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
             worker_id=0, model_path=str(model_path), dtype=config.model.dtype, device=str(learner.device),
             lm_head_fp32=config.model.lm_head_fp32, task_name=config.task.name,
             task_kwargs=dict(config.task.kwargs), seed=config.seed, prompts_per_step=rc.prompts_per_step,
-            group_size=rc.group_size, sampling=sampling, inflight_updates=config.async_.inflight_updates,
+            group_size=rc.group_size, sampling=params, inflight_updates=config.async_.inflight_updates,
             torch_threads=config.runtime.torch_threads, reward_timeout_s=config.task.reward_timeout_s,
             reward_workers=config.task.reward_workers, parent_pid=os.getpid(),
             handoff_timeout_s=config.async_.handoff_timeout_s,
@@ -141,19 +150,19 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
         )
         if backend is not None:  # Ray: rollout actors (vcpo.orchestration.ray)
             return backend.source(learner.model, spec, start_version=learner.version,
-                                  publisher=None if servers is None else servers.publisher)
+                                  publisher=None if servers is None else servers.publisher, sampling=sampling)
         ac = config.async_
         return AsyncSource(learner.model, spec, ac.num_workers, ac.generation_bound(), ac.drop_older_than,
                            start_version=learner.version, max_restarts=ac.max_worker_restarts,
-                           publisher=None if servers is None else servers.publisher)
+                           publisher=None if servers is None else servers.publisher, sampling=sampling)
     engine = servers or HFRolloutEngine(learner.model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
                                         lm_head_fp32=config.model.lm_head_fp32)
     remote_model = None if servers is None else learner.model  # whose weights are published to the servers
-    ctx = RolloutContext(tokenizer, task, ProblemStream(task, config.seed, rc.prompts_per_step), sampling,
+    ctx = RolloutContext(tokenizer, task, ProblemStream(task, config.seed, rc.prompts_per_step), params,
                          rc.group_size, config.seed)
     if mode == "sync":
-        return SyncSource(engine, ctx, remote_model)
-    return LaggedSource(engine, ctx, config.async_.generation_bound(), remote_model)
+        return SyncSource(engine, ctx, remote_model, sampling)
+    return LaggedSource(engine, ctx, config.async_.generation_bound(), remote_model, sampling)
 
 
 def _server_engine(config: Config, sc: ServerConfig, model_path: Path, model: torch.nn.Module, tokenizer):
@@ -263,11 +272,13 @@ def _train(config: Config, resume: bool, signals: StopSignals | None, backend) -
         try:
             if ckpt is not None:
                 truncate_metrics(run.path / METRICS_FILE, after_step=learner.version)
+                truncate_metrics(run.path / TRAINED_GROUPS_FILE, after_step=learner.version)
                 say(f"resuming {run.path} from step {learner.version} ({ckpt.name})")
             else:
                 if resume:
                     say(f"no checkpoint in {run.path}: starting from step 0")
                 (run.path / METRICS_FILE).unlink(missing_ok=True)
+                (run.path / TRAINED_GROUPS_FILE).unlink(missing_ok=True)
             return _Job(config, run.path, learner, tokenizer, task, eval_problems, state, signals,
                         backend).run(model_path)
         except BaseException:
@@ -444,6 +455,7 @@ class _Job:
             metrics |= {"step": step, "time/rollout_wait_s": t_rollout, "time/step_s": time.perf_counter() - t0}
             alarms = self.monitor.observe(metrics, learner.skip_reason, final=last)
             metrics |= self.monitor.metrics
+            append_trained_groups(self.run_dir, trained_group_records(trajectories, step))
             logger.log(metrics)
             self.logged_step = step
             for alarm in alarms:
@@ -492,6 +504,7 @@ class _Job:
         self.state = load_checkpoint(ckpt, self.learner.model, self.learner.optimizer)
         self.learner.version = self.saved_step = self.logged_step = step
         truncate_metrics(self.run_dir / METRICS_FILE, after_step=step)
+        truncate_metrics(self.run_dir / TRAINED_GROUPS_FILE, after_step=step)
         self.last_accuracy = self.state.get("last_accuracy", self.initial_accuracy)
         self.health.consecutive_skipped = 0
         factor = min(REMEDIES[a.rule].lr_factor for a in alarms)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from vcpo.config import Config
+from vcpo.orchestration.filtering import DynamicSampling
 from vcpo.orchestration.ray.session import RaySession
 from vcpo.orchestration.worker import WorkerSpec
 from vcpo.rollout.weights import WeightPublisher
@@ -47,9 +48,10 @@ class RayBackend:
         return group
 
     def source(self, model: torch.nn.Module, spec: WorkerSpec, start_version: int,
-               publisher: WeightPublisher | None = None):
+               publisher: WeightPublisher | None = None, sampling: DynamicSampling | None = None):
         """The rollout source over ``async.num_workers`` rollout actors; with ``publisher`` (inference servers) the
-        driver publishes each version to the servers and the actors are their HTTP clients."""
+        driver publishes each version to the servers and the actors are their HTTP clients; ``sampling``: dynamic
+        sampling (``rollout.filter``)."""
         from vcpo.orchestration.ray.rollout import RaySource
 
         ac, rc = self.config.async_, self.config.ray
@@ -59,6 +61,6 @@ class RayBackend:
 
             broadcast = WeightBroadcast(self.learners.actors[0], rc.timeout_s)
         source = RaySource(model, spec, ac.num_workers, ac.generation_bound(), ac.drop_older_than, start_version,
-                           self.board, rc, publisher=publisher, broadcast=broadcast)
+                           self.board, rc, publisher=publisher, broadcast=broadcast, sampling=sampling)
         self.owned.append(source)
         return source

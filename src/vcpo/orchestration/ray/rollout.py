@@ -18,6 +18,7 @@ import torch
 
 from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.base import BackendError, generator_for
+from vcpo.orchestration.filtering import DynamicSampling
 from vcpo.orchestration.ray.broadcast import BroadcastMember, Failed, Layout, WeightBroadcast, attempt
 from vcpo.orchestration.ray.placement import node_id, rollout_options
 from vcpo.orchestration.ray.session import error_line, get
@@ -140,12 +141,13 @@ class RaySource:
 
     With ``publisher`` (inference servers) the driver alone publishes each version to the servers, once, before
     offering it to the actors; without it the actors fetch the weights from the object store, or with ``broadcast``
-    receive each learner version from learner rank 0 in a process group (the object store stays the fallback)."""
+    receive each learner version from learner rank 0 in a process group (the object store stays the fallback).
+    ``sampling``: dynamic sampling, as in the local ``AsyncSource``."""
 
     def __init__(self, model: torch.nn.Module, spec: WorkerSpec, num_workers: int, max_staleness: int,
                  drop_older_than: float | None, start_version: int, board: WeightBoard, ray_config,
                  jitter_s: float = 0.0, publisher: WeightPublisher | None = None,
-                 broadcast: WeightBroadcast | None = None) -> None:
+                 broadcast: WeightBroadcast | None = None, sampling: DynamicSampling | None = None) -> None:
         self.model, self.board, self.rc, self.publisher, self.broadcast = model, board, ray_config, publisher, broadcast
         self.P = spec.prompts_per_step
         self.chunk = max(1, -(-self.P // num_workers))  # groups per request: a step's groups spread over actors
@@ -171,6 +173,8 @@ class RaySource:
             self.stats["time/weight_broadcast_s"] = 0.0
         self.current: tuple[int, Any] | None = None
         self.start_version = start_version
+        self.sampling = sampling
+        self.filter_metrics: dict[str, float] = {}  # of the last batch
 
     def pids(self) -> list[int]:
         return get([a.pid.remote() for a in self.actors], self.rc.timeout_s, "rollout actor pid")
@@ -236,6 +240,8 @@ class RaySource:
             get([a.pid.remote() for a in self.actors], self.rc.start_timeout_s, "starting the rollout actors",
                 "ray.start_timeout_s")
             self.publish(self.model, self.start_version)
+        if self.sampling is not None:
+            return self._filled_batch(learner_version)
         batch: list[Trajectory] = []
         kept = 0
         while kept < self.P:
@@ -249,6 +255,23 @@ class RaySource:
                 kept += 1
         self._admit_and_send()  # the actors work on the next groups while the learner steps
         return batch
+
+    def _filled_batch(self, learner_version: int) -> list[Trajectory]:
+        """``next_batch`` under dynamic sampling: a group without signal frees its admission capacity for another,
+        until the step has P informative groups or hit the cap (vcpo.orchestration.filtering)."""
+        fill = self.sampling.fill()
+        while not fill.done:
+            if not self.ready:
+                self._admit_and_send()
+                self._receive()
+                continue
+            group = self.ready.popleft()
+            if self.controller.keep(group, learner_version) and not fill.offer(group):
+                self.controller.release()
+        groups, self.filter_metrics = fill.result()
+        self.controller.reclaim(fill.reclaimed)
+        self._admit_and_send()  # the actors work on the next groups while the learner steps
+        return [t for g in groups for t in g]
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Offer version ``version`` to every actor: the learner group's object when it published one, else one
@@ -277,7 +300,7 @@ class RaySource:
     def metrics(self) -> dict[str, float]:
         s = self.controller.stats
         out = {"staleness/dropped_over_bound": float(s.dropped_over_bound),
-               "staleness/dropped_alpha": float(s.dropped_alpha)} | self.stats
+               "staleness/dropped_alpha": float(s.dropped_alpha)} | self.stats | self.filter_metrics
         if self.broadcast is not None:
             out |= self.broadcast.stats
         self.stats = dict.fromkeys(self.stats, 0.0) | {"ray/actor_restarts": self.stats["ray/actor_restarts"],

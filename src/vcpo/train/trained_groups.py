@@ -1,0 +1,38 @@
+"""``<run_dir>/trained_groups.jsonl``: which prompts each step trained on, one line per trained group, so that what
+the learner saw (and what a resume kept) can be read back against the run's problem stream."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from vcpo.errors import DiskError
+from vcpo.train.run_dir import TRAINED_GROUPS_FILE
+from vcpo.types import Trajectory
+
+
+def trained_group_records(trajectories: list[Trajectory], step: int) -> list[dict[str, Any]]:
+    """One record per group of a step's batch, in batch order: ``step`` (the optimizer step that trained it),
+    ``prompt_index`` (the group's position in the run's problem stream, its ``group_id``), ``version`` (the policy
+    version of its oldest token: the one it was generated with) and ``length_mean`` (its responses' mean number of
+    model tokens, observations left out)."""
+    groups: dict[int, list[Trajectory]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t)
+    return [{"step": step, "prompt_index": gid, "version": min(t.min_version for t in group),
+             "length_mean": sum(sum(t.model_token_mask()) for t in group) / len(group)}
+            for gid, group in groups.items()]
+
+
+def append_trained_groups(run_dir: Path, records: list[dict[str, Any]]) -> None:
+    """Append ``records`` to the run's file, flushed and fsync'ed (as each metrics line is)."""
+    path = Path(run_dir) / TRAINED_GROUPS_FILE
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise DiskError(path, e) from None
