@@ -98,8 +98,10 @@ def test_a_policy_turned_uniform_fires_on_its_entropy_near_ln_v_or_far_above_the
     (alarm,) = monitor.observe(_line(3, **uniform))
     assert alarm.last_good == 0  # step 2's rollouts came from step 1's weights: those are already suspect
     assert "sampled-token entropy 4.63 nats (100% of a uniform policy's) against 0.69" in alarm.line()
-    # a sampler uniform from the start: no rise, but at ln V from step 1
-    assert _feed(HealthMonitor(HealthConfig(), vocab_size=103), [_line(1, **uniform), _line(2, **uniform)]) == [
+    # a sampler uniform from the start while the policy is not (the learner's own entropy, 0.69, is far below): no
+    # rise, but at ln V from step 1
+    broken = uniform | {"entropy/mean": 0.69}
+    assert _feed(HealthMonitor(HealthConfig(), vocab_size=103), [_line(1, **broken), _line(2, **broken)]) == [
         [], ["uniform_policy"]]
     # without a vocabulary size, a rise of more than 2 nats (0.6 -> 2.7) for 2 steps; a rise of 1.9 is not one
     rise = [_line(1), _line(2, **{"response/logprob_mean": -2.7}), _line(3, **{"response/logprob_mean": -2.7})]
@@ -109,6 +111,52 @@ def test_a_policy_turned_uniform_fires_on_its_entropy_near_ln_v_or_far_above_the
     # a large vocabulary's healthy entropy (2 nats of ln 151936 = 11.9) is far from uniform
     big = [_line(s, **{"response/logprob_mean": -2.0}) for s in range(1, 8)]
     assert _feed(HealthMonitor(HealthConfig(), vocab_size=151936), big) == [[]] * 7
+
+
+def test_a_policy_that_starts_near_uniform_is_judged_once_it_has_left_that_level():
+    # a fresh model at a high temperature: the sampled tokens' entropy and the policy's own at ln 103 = 4.635 (>=
+    # 0.9 ln V = 4.171) from step 1 is its start, not a blow-up; it learns (down to 2.0), then blows up again
+    fresh = [_line(s, **{"response/logprob_mean": -4.6, "entropy/mean": 4.62}) for s in range(1, 6)]
+    assert _feed(HealthMonitor(HealthConfig(), vocab_size=103), fresh) == [[]] * 5
+    no_learner_entropy = [_line(s, **{"response/logprob_mean": -4.6}) for s in range(1, 6)]  # the estimate alone
+    assert _feed(HealthMonitor(HealthConfig(), vocab_size=103), no_learner_entropy) == [[]] * 5
+    learned = [_line(6, **{"response/logprob_mean": -2.0}), _line(7, **{"response/logprob_mean": -4.6}),
+               _line(8, **{"response/logprob_mean": -4.6})]
+    monitor = HealthMonitor(HealthConfig(), vocab_size=103)
+    assert _feed(monitor, no_learner_entropy + learned) == [[]] * 7 + [["uniform_policy"]]
+    # the lowest level seen survives a checkpoint
+    resumed = HealthMonitor(HealthConfig(), monitor.state(), vocab_size=103)
+    assert resumed.entropy_low == 2.0
+
+
+SOLVED = {"reward/mean": 1.0, "reward/std": 0.0, "reward/zero_var_group_frac": 1.0, "grad_norm": 0.0,
+          "response/logprob_mean": -1e-6}
+"""A run that has solved its prompts: every group all correct, a near-deterministic policy, no gradient."""
+
+
+def test_a_solved_run_is_saturated_not_dead_nor_silent_and_says_so_once():
+    monitor = HealthMonitor(HealthConfig())
+    fired, notices, saturated = [], [], []
+    for s in range(1, 9):
+        fired.append([a.rule for a in monitor.observe(_line(s, **(SOLVED if s > 1 else {})))])
+        notices.append(list(monitor.notices))
+        saturated.append(monitor.metrics["health/saturated"])
+    assert fired == [[]] * 8  # neither no_signal nor dead_policy, whose conditions hold from step 2
+    assert saturated == [0.0] + [1.0] * 7
+    assert [s for s, n in enumerate(notices, 1) if n] == [4]  # after no_signal_steps (3) saturated steps, once
+    assert notices[3][0].startswith("health notice at step 4: saturated: every reward was the maximum (1)")
+    assert not any("alarm" in k and v for k, v in monitor.metrics.items())
+    # the maximum is the config's: with rewards in [0, 2], all at 1 is stuck, not solved
+    assert _feed(HealthMonitor(HealthConfig(max_reward=2.0)), [_line(s, **SOLVED) for s in range(1, 5)])[-1] == [
+        "dead_policy", "no_signal"]
+
+
+def test_a_stuck_run_still_alarms_all_wrong_or_partly_solved():
+    # every group all wrong, or 15 of 16 groups solved and one all wrong (mean 0.9375): every group ties, no gradient
+    for reward, std in ((0.0, 0.0), (0.9375, 0.242)):
+        stuck = SOLVED | {"reward/mean": reward, "reward/std": std}
+        fired = _feed(HealthMonitor(HealthConfig(reward_floor=1.0)), [_line(s, **stuck) for s in range(1, 5)])
+        assert fired == [[], [], ["dead_policy", "no_signal"], ["dead_policy", "no_signal"]], reward
 
 
 def test_no_signal_fires_when_every_group_ties_and_nothing_moves_for_its_streak():
@@ -263,6 +311,29 @@ def test_the_issues_run_warns_and_its_summary_says_it_ended_worse(tmp_path, warm
     assert summary["status"] == "completed" and summary["verdict"] == "worse", summary
     assert summary["accuracy_change"] < -summary["accuracy_noise"] < 0
     assert ", WORSE than before RL beyond noise (" in proc.stderr.strip().splitlines()[-1]
+
+
+ALL_CORRECT = """
+import dataclasses
+from vcpo.orchestration.local import SyncSource
+next_batch = SyncSource.next_batch
+def solved(self, learner_version):
+    return [dataclasses.replace(t, reward=1.0) for t in next_batch(self, learner_version)]
+SyncSource.next_batch = solved
+"""
+"""A run that has solved its training prompts: every response correct from step 1."""
+
+
+def test_a_solved_run_under_on_alarm_stop_completes_with_a_saturation_notice(tmp_path, warm):
+    run = tmp_path / "run"
+    proc = vcpo("train", *warm, f"run_dir={run}", "trainer.on_alarm=stop", "trainer.max_steps=5",
+                python=patched_cli(ALL_CORRECT))
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5] and all(m["health/saturated"] == 1.0 for m in lines)
+    assert not any(v for m in lines for k, v in m.items() if "alarm" in k)
+    assert "health notice at step 3: saturated: every reward was the maximum (1)" in proc.stderr
+    assert "health alarm at" not in proc.stderr
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
 
 
 # A fault injected into the learner: from step 3 on, one gradient entry is NaN while the learning rate is above 6e-4

@@ -369,6 +369,10 @@ class HealthConfig(_Strict):
     no_signal_steps: int = Field(3, ge=1)
     """no_signal: every group's rewards equal (``reward/zero_var_group_frac`` = 1) and the gradient norm below
     ``dead_grad_norm``, this many steps in a row: nothing is learned."""
+    max_reward: float = 1.0
+    """The reward of a fully correct response: a step whose every reward equals it is saturated (every group solved),
+    which no_signal and dead_policy do not count; after no_signal_steps of them in a row a notice says so, and
+    trainer.on_alarm does not act on it."""
     reward_drop: float = Field(0.5, gt=0, lt=1)
     """reward_collapse: the training reward's ``reward_smooth``-step mean below (1 - this) x its best such mean."""
     reward_smooth: int = Field(25, ge=1)

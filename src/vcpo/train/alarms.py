@@ -5,12 +5,16 @@ Rules, with the thresholds of ``trainer.health`` (h):
 - ``nonfinite``: the learner skipped the step (a non-finite loss, ESS, gradient norm or sampled log-prob).
 - ``dead_policy``: for ``h.dead_steps`` steps in a row, the mean negative log-prob of the sampled tokens,
   ``-E[log pi_behavior(y_t)]`` (a Monte-Carlo estimate of the per-token entropy), is below ``h.dead_entropy`` and
-  the gradient norm is finite and below ``h.dead_grad_norm``: the policy samples one answer and learns nothing.
+  the gradient norm is finite and below ``h.dead_grad_norm``, on steps that are not saturated (below): the policy
+  samples one answer, not the right one everywhere, and learns nothing.
 - ``uniform_policy``: for ``h.uniform_steps`` steps in a row, that entropy estimate is at least ``h.uniform_frac`` x
-  ln(vocabulary size) (a uniform policy's entropy) or above the first step's by more than ``h.entropy_rise`` nats:
-  the policy has blown up into noise (a learning rate far too high turns it uniform on some CPUs, NaN on others).
+  ln(vocabulary size) (a uniform policy's entropy) after the run has been below that level (a fresh model at a high
+  temperature starts there, and is judged once it has left it), or above the first step's by more than
+  ``h.entropy_rise`` nats: the policy has blown up into noise (a learning rate far too high turns it uniform on some
+  CPUs, NaN on others).
 - ``no_signal``: for ``h.no_signal_steps`` steps in a row, every group's rewards are equal
-  (``reward/zero_var_group_frac`` = 1, so every advantage is 0) and the gradient norm is below ``h.dead_grad_norm``.
+  (``reward/zero_var_group_frac`` = 1, so every advantage is 0) and the gradient norm is below ``h.dead_grad_norm``,
+  on steps that are not saturated.
 - ``reward_collapse``: the training reward's ``h.reward_smooth``-step mean is below ``(1 - h.reward_drop)`` x its
   best such mean so far, once that best is at least ``h.reward_floor`` (from step ``h.warmup``); or, from the first
   steps on, the mean of the last ``h.reward_fall_window`` steps is below ``(1 - h.reward_drop)`` x the first step's
@@ -25,6 +29,12 @@ Rules, with the thresholds of ``trainer.health`` (h):
   the n evaluation problems (1 of 16 problems right, then none, is noise), at ``h.accuracy_evals`` evaluations in a
   row, or at the run's final evaluation alone.
 The smoothed ``reward_collapse`` and ``ess`` fire from step ``h.warmup`` on.
+
+Saturation is not an alarm: a step whose every reward equals ``h.max_reward`` (every group solved: no advantage, a
+vanishing gradient, and often a low entropy, as in a dead policy) is logged as ``health/saturated`` = 1; after
+``h.no_signal_steps`` such steps in a row the console says so once (a notice, ``notices``), and ``trainer.on_alarm``
+does not act on it. Dynamic sampling (``rollout.filter: zero_variance``) answers it by training on unsolved prompts
+while there are any.
 
 Apart from the rules, :func:`accuracy_verdict` says whether a run ended worse than it started beyond noise.
 """
@@ -82,6 +92,7 @@ class HealthMonitor:
         self.config = config
         c = config
         self.uniform_entropy = c.uniform_frac * math.log(vocab_size) if vocab_size and vocab_size > 1 else None
+        self.notices: list[str] = []
         self.ess_rule = Rule(smooth=c.ess_smooth, ess_below=c.ess_below, grad_below=c.ess_grad_below,
                              grad_smooth=c.grad_smooth, warmup=c.warmup)
         self.reward_rule = Rule(smooth=c.reward_smooth, reward_drop=c.reward_drop, reward_floor=c.reward_floor,
@@ -102,7 +113,9 @@ class HealthMonitor:
         self.dead_streak = int(windows.get("dead_streak", 0))
         self.uniform_streak = int(windows.get("uniform_streak", 0))
         self.silent_streak = int(windows.get("silent_streak", 0))
+        self.saturated_streak = int(windows.get("saturated_streak", 0))
         self.entropy_start: float | None = windows.get("entropy_start")
+        self.entropy_low: float | None = windows.get("entropy_low", self.entropy_start)  # the lowest so far
         self.reward_start: list[float] | None = windows.get("reward_start")  # [mean, standard error] of the first step
         self.recent_rewards: deque[list[float]] = deque(windows.get("recent_rewards", []),
                                                         maxlen=self.config.reward_fall_window)
@@ -116,7 +129,8 @@ class HealthMonitor:
         return {
             "windows": {"ess": self.ess.state(), "reward": self.reward.state(), "dead_streak": self.dead_streak,
                         "uniform_streak": self.uniform_streak, "silent_streak": self.silent_streak,
-                        "entropy_start": self.entropy_start, "reward_start": self.reward_start,
+                        "saturated_streak": self.saturated_streak, "entropy_start": self.entropy_start,
+                        "entropy_low": self.entropy_low, "reward_start": self.reward_start,
                         "recent_rewards": [list(r) for r in self.recent_rewards],
                         "low_evals": self.low_evals, "best_accuracy": self.best_accuracy, "good_eval": self.good_eval,
                         "firing": sorted(self.firing)},
@@ -133,14 +147,17 @@ class HealthMonitor:
 
     def observe(self, metrics: dict[str, Any], skip_reason: str | None = None, final: bool = False) -> list[Alarm]:
         """The alarms a finished step raises (each enabled rule's), given its metrics line; ``repeat`` marks a rule
-        that fired on the step before too (the console says so once). ``final``: the run's last step."""
+        that fired on the step before too (the console says so once). ``final``: the run's last step. The step's
+        notices (lines no ``trainer.on_alarm`` acts on) are left in ``notices``."""
         step = int(metrics["step"])
-        self.metrics = {}
+        self.metrics, self.notices = {}, []
         entropy = 0.0 - metrics["response/logprob_mean"] if _finite(metrics.get("response/logprob_mean")) else None
         if entropy is not None:
             self.metrics["health/entropy"] = entropy
-        found = [self._nonfinite(metrics, step, skip_reason), self._dead(metrics, step, entropy),
-                 self._uniform(step, entropy), self._silent(metrics, step), self._reward_fall(metrics, step),
+        saturated = self._saturated(metrics, step)
+        found = [self._nonfinite(metrics, step, skip_reason), self._dead(metrics, step, entropy, saturated),
+                 self._uniform(metrics, step, entropy), self._silent(metrics, step, saturated),
+                 self._reward_fall(metrics, step),
                  *self._windowed(metrics, step), self._accuracy(metrics, step, final)]
         found = [a for a in found if a is not None and a.rule not in self.config.disabled]
         alarms = [replace(a, repeat=a.rule in self.firing) for a in _one_per_rule(found)]
@@ -160,24 +177,47 @@ class HealthMonitor:
             return None
         return Alarm("nonfinite", step, step - 2, f"the step was skipped for a {reason or 'non-finite value'}")
 
-    def _dead(self, metrics: dict[str, Any], step: int, entropy: float | None) -> Alarm | None:
+    def _saturated(self, metrics: dict[str, Any], step: int) -> bool:
+        """Every reward of the step at ``max_reward`` (every group tied at the top, none with a wrong answer): the
+        run has solved these prompts. Logged as ``health/saturated``; a notice after ``no_signal_steps`` in a row."""
+        c = self.config
+        zero_var, reward, std = (metrics.get(k) for k in ("reward/zero_var_group_frac", "reward/mean", "reward/std"))
+        saturated = (_finite(zero_var) and zero_var >= 1.0 and _finite(reward) and reward >= c.max_reward
+                     and _finite(std) and std == 0.0)
+        self.metrics["health/saturated"] = float(saturated)
+        if self._streak("saturated_streak", saturated) == c.no_signal_steps:
+            self.notices.append(
+                f"health notice at step {step}: saturated: every reward was the maximum ({c.max_reward:g}) for "
+                f"{self.saturated_streak} steps: the run has solved its training prompts and learns nothing more from "
+                f"them (not an alarm: trainer.on_alarm does not act on it; harder prompts, or rollout.filter="
+                f"zero_variance to train on the unsolved ones while any are left)")
+        return saturated
+
+    def _dead(self, metrics: dict[str, Any], step: int, entropy: float | None, saturated: bool) -> Alarm | None:
         c = self.config
         grad = metrics.get("grad_norm")
-        dead = entropy is not None and entropy < c.dead_entropy and _finite(grad) and grad < c.dead_grad_norm
+        dead = (entropy is not None and entropy < c.dead_entropy and _finite(grad) and grad < c.dead_grad_norm
+                and not saturated)
         if self._streak("dead_streak", dead) < c.dead_steps:
             return None
         return Alarm("dead_policy", step, step - self.dead_streak - 1,
                      f"sampled-token entropy {entropy:.2g} < {c.dead_entropy:g} and gradient norm {grad:.2g} < "
                      f"{c.dead_grad_norm:g} for {self.dead_streak} steps: the policy has turned deterministic")
 
-    def _uniform(self, step: int, entropy: float | None) -> Alarm | None:
-        """Sampled-token entropy near a uniform policy's, or far above the first step's."""
+    def _uniform(self, metrics: dict[str, Any], step: int, entropy: float | None) -> Alarm | None:
+        """Sampled-token entropy near a uniform policy's after the policy's own level (``_policy_entropy``, which a
+        sampler that ignores the policy does not share) has been below it, or far above the first step's."""
         c = self.config
         if entropy is None:
             return None
+        policy_entropy = _policy_entropy(metrics, entropy)
         if self.entropy_start is None:
             self.entropy_start = entropy
-        near_uniform = self.uniform_entropy is not None and entropy >= self.uniform_entropy
+        # a policy that starts near uniform (a fresh model, a high temperature) has not blown up into noise: the
+        # level counts once the policy has been below it
+        self.entropy_low = policy_entropy if self.entropy_low is None else min(self.entropy_low, policy_entropy)
+        near_uniform = (self.uniform_entropy is not None and entropy >= self.uniform_entropy
+                        and self.entropy_low < self.uniform_entropy)
         risen = entropy - self.entropy_start > c.entropy_rise
         if self._streak("uniform_streak", near_uniform or risen) < c.uniform_steps:
             return None
@@ -188,11 +228,12 @@ class HealthMonitor:
                      f"first step, for {self.uniform_streak} steps: the policy has turned (near) uniform, it samples "
                      f"noise")
 
-    def _silent(self, metrics: dict[str, Any], step: int) -> Alarm | None:
-        """Every group's rewards equal and no gradient: the run learns nothing."""
+    def _silent(self, metrics: dict[str, Any], step: int, saturated: bool) -> Alarm | None:
+        """Every group's rewards equal and no gradient, short of every one at the maximum: the run learns nothing."""
         c = self.config
         zero_var, grad = metrics.get("reward/zero_var_group_frac"), metrics.get("grad_norm")
-        silent = _finite(zero_var) and zero_var >= 1.0 and _finite(grad) and grad < c.dead_grad_norm
+        silent = (_finite(zero_var) and zero_var >= 1.0 and _finite(grad) and grad < c.dead_grad_norm
+                  and not saturated)
         if self._streak("silent_streak", silent) < c.no_signal_steps:
             return None
         return Alarm("no_signal", step, step - self.silent_streak - 1,
@@ -280,6 +321,23 @@ def accuracy_verdict(initial: float | None, final: float | None, problems: int) 
     change = final - initial
     verdict = "worse" if change < -noise else "better" if change > noise else "unchanged"
     return {"verdict": verdict, "accuracy_change": change, "accuracy_noise": noise}
+
+
+SAMPLER_AGREES = 0.5
+"""The mean |log pi_learner - log pi_behavior| (nats per token, ``mismatch/logprob_abs_mean``) below which the sampled
+tokens' entropy estimate is taken as the policy's own: kernel and precision gaps are orders of magnitude smaller; a
+sampler that ignores the policy is off by about the gap between ln V and the policy's log-probs (nats)."""
+
+
+def _policy_entropy(metrics: dict[str, Any], sampled: float) -> float:
+    """The policy's own per-token entropy at the rollout temperature: the learner's exact ``entropy/mean`` when it
+    computes one; else ``sampled`` (the sampled tokens' estimate) when the learner's log-probs of those tokens agree
+    with the sampler's (or no token was sampled at the learner's weights: nothing says they differ); else 0 (the
+    sampler does not draw from the policy, whose level is then unknown: taken as not near uniform)."""
+    exact, gap = metrics.get("entropy/mean"), metrics.get("mismatch/logprob_abs_mean")
+    if _finite(exact):
+        return float(exact)
+    return sampled if not _finite(gap) or gap < SAMPLER_AGREES else 0.0
 
 
 def _one_per_rule(alarms: list[Alarm]) -> list[Alarm]:

@@ -461,6 +461,8 @@ class _Job:
             for alarm in alarms:
                 if not alarm.repeat:
                     say(alarm.line())
+            for notice in self.monitor.notices:  # saturation: said, never acted on
+                say(notice)
             bar.update(task_id, completed=step, info=(
                 f"reward {metrics['reward/mean']:.2f}  ess {metrics['ess/ratio']:.2f}  "
                 f"stale {metrics['staleness/max']:.0f}  acc {self.last_accuracy:.2f}"))
