@@ -55,8 +55,19 @@ def assert_resumed_run_matches(full: Path, part: Path, common: list[str]) -> lis
     return a
 
 
+def trained_groups(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "trained_groups.jsonl").read_text().splitlines()]
+
+
 def test_lagged_resume_equals_uninterrupted_run(tmp_path, tiny, lagged_full):
     assert_resumed_run_matches(lagged_full, tmp_path / "part", [*tiny, *LAGGED])
+    # trained_groups.jsonl: step t trains batch t - 1 of the stream (4 groups: prompts 4(t-1)..4t-1), generated at
+    # version max(0, t - 1 - k); the resumed run appended steps 3-4 to what steps 1-2 wrote
+    full = trained_groups(lagged_full)
+    assert [(r["step"], r["prompt_index"], r["version"]) for r in full] == [
+        (t, 4 * (t - 1) + i, max(0, t - 3)) for t in range(1, 5) for i in range(4)]
+    assert all(r["length_mean"] > 0 for r in full)
+    assert trained_groups(tmp_path / "part") == full
 
 
 def test_lagged_replay_resumes_exactly_with_tb(tmp_path, tiny):

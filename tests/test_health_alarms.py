@@ -360,6 +360,8 @@ def test_rollback_halves_the_learning_rate_and_recovers(tmp_path, tiny):
            "0.001 -> 0.0005 (rollback 1 of at most 3)" in proc.stderr
     lines = metrics(run)
     assert [m["step"] for m in lines] == list(range(1, 9))  # the rolled-back steps' lines are gone
+    trained = [json.loads(line) for line in (run / "trained_groups.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in trained] == [t for t in range(1, 9) for _ in range(4)]  # and their groups' lines
     assert [m["lr"] for m in lines] == [1e-3] + [5e-4] * 7 and not any(m["skipped_step"] for m in lines)
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["status"], summary["rollbacks"], summary["lr_factor"]) == ("completed", 1, 0.5)
