@@ -4,7 +4,8 @@ line 2 rollout actors and 2 learner ranks, a learner killed mid-run (one line, a
 run's checkpoint locally and from a local one on Ray, 2 rollout actors generating on 2 `vcpo serve` processes
 (one killed mid-run), and the weight broadcast (``ray.weight_sync=broadcast``, gloo): the actors' weights equal
 learner rank 0's exactly, the group formed again after an actor restart, and a run through the command line; two
-FSDP-sharded learner ranks feeding a rollout actor, their checkpoint resumed locally."""
+FSDP-sharded learner ranks feeding a rollout actor, their checkpoint resumed locally; dynamic sampling refilling
+from 2 rollout actors."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_dynamic_sampling import FILTER, check_filtered_run
 from test_e2e_cli import REQUIRED_KEYS, metrics
 from vcpo.config import RayConfig, TaskConfig, load_config
 from vcpo.models.default import build_default_model
@@ -114,6 +116,13 @@ def _run_in_background(args: list[str], log: Path) -> subprocess.Popen:
     with log.open("w") as stderr:  # the child has its own copy of the descriptor: this one closes at once
         return subprocess.Popen([sys.executable, "-m", "vcpo.cli", *args], cwd=ROOT, env=env,
                                 stdout=subprocess.DEVNULL, stderr=stderr)
+
+
+def test_dynamic_sampling_refills_from_two_rollout_actors_through_the_cli(cluster, tmp_path, tiny):
+    run = tmp_path / "run"
+    vcpo("train", *tiny, f"run_dir={run}", "async.mode=async", "async.backend=ray", "async.num_workers=2",
+         "async.max_staleness=1", "trainer.max_steps=3", "ray.timeout_s=60", f"ray.address={cluster}", *FILTER)
+    check_filtered_run(run, 3, 1)
 
 
 def test_two_actors_two_learners_through_the_cli_a_learner_killed_and_resumes(cluster, tmp_path):
