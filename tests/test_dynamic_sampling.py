@@ -11,6 +11,7 @@ import pytest
 
 from vcpo.orchestration.filtering import DynamicSampling, StepFill, informative
 from vcpo.orchestration.staleness import StalenessController
+from vcpo.orchestration.tally import GroupTally
 from vcpo.types import SamplingParams, Trajectory
 
 from conftest import metrics, vcpo
@@ -18,8 +19,9 @@ from conftest import metrics, vcpo
 FILTER = ["rollout.filter=zero_variance", "rollout.filter_max_factor=6"]
 
 
-def _group(gid: int, rewards: list[float]) -> list[Trajectory]:
-    return [Trajectory("u", gid, [1], [2, 3], [-0.1, -0.2], [0, 0], r, True, SamplingParams()) for r in rewards]
+def _group(gid: int, rewards: list[float], length: int = 2) -> list[Trajectory]:
+    return [Trajectory("u", gid, [1], [2] * length, [-0.1] * length, [0] * length, r, True, SamplingParams())
+            for r in rewards]
 
 
 def test_a_group_is_informative_when_its_rewards_differ():
@@ -80,6 +82,34 @@ def test_a_filtered_group_returns_its_staleness_capacity_and_a_filler_takes_it_b
     assert [c.try_admit() for _ in range(2)] == [1, None]
 
 
+def test_the_tally_compares_generated_trained_and_dropped_groups_by_hand():
+    tally = GroupTally()
+    tally.add(_group(0, [1, 0, 0, 0], length=2), "trained")  # pass rate 0.25, length 2
+    tally.add(_group(1, [1, 1, 0, 0], length=4), "trained")  # 0.5, 4
+    tally.add(_group(2, [1, 1, 1, 1], length=9), "dropped")  # 1.0, 9
+    m = tally.take()
+    assert m["groups/trained_count"] == 2 and m["groups/dropped_count"] == 1 and m["groups/generated_count"] == 3
+    assert m["groups/trained_length_mean"] == 3.0 and m["groups/trained_pass_rate"] == 0.375  # (2+4)/2, (.25+.5)/2
+    assert m["groups/dropped_length_mean"] == 9.0 and m["groups/dropped_pass_rate"] == 1.0
+    assert m["groups/generated_length_mean"] == 5.0 and m["groups/generated_pass_rate"] == pytest.approx(1.75 / 3)
+    # the next step starts afresh; a kind without groups has its count alone
+    tally.add(_group(3, [0, 1]), "trained")
+    assert tally.take() == {"groups/trained_count": 1.0, "groups/trained_length_mean": 2.0,
+                            "groups/trained_pass_rate": 0.5, "groups/dropped_count": 0.0,
+                            "groups/generated_count": 1.0, "groups/generated_length_mean": 2.0,
+                            "groups/generated_pass_rate": 0.5}
+
+
+def test_a_step_records_what_it_trained_and_what_it_left_out():
+    fill = StepFill(2, 4)  # tie, signal, signal (surplus would be the third), tie: done at the second signal
+    for gid, rewards in enumerate([[1, 1], [0, 1], [1, 0]]):
+        fill.offer(_group(gid, rewards))
+    tally = GroupTally()
+    fill.record(tally)
+    assert [g[0].group_id for g in tally.groups["trained"]] == [1, 2]
+    assert [g[0].group_id for g in tally.groups["dropped"]] == [0]
+
+
 @pytest.mark.parametrize(("override", "named"), [
     ("rollout.filter=sometimes", "rollout.filter"),
     ("rollout.filter_max_factor=0.5", "rollout.filter_max_factor"),
@@ -112,6 +142,13 @@ def check_filtered_run(run: Path, steps: int, k: int) -> list[dict]:
         assert {"filter/dropped_frac", "filter/groups_per_trained", "filter/extra_rollout_s"} <= m.keys()
         assert m["reward/zero_var_group_frac"] == 0.0 or m["filter/cap_hit"] == 1.0, m
         assert m["filter/groups_per_trained"] >= 1.0 and m["staleness/max"] <= k
+        # groups/*: the trained ones are the batch (equal-size groups: the mean of group means is the batch mean);
+        # every judged group was trained or dropped
+        assert m["groups/trained_count"] == 4
+        assert m["groups/trained_length_mean"] == pytest.approx(m["response/length_mean"])
+        assert m["groups/trained_pass_rate"] == pytest.approx(m["reward/mean"])
+        assert m["groups/generated_count"] == m["groups/trained_count"] + m["groups/dropped_count"]
+        assert m["groups/generated_count"] >= 4 * m["filter/groups_per_trained"] - 1e-9  # + stale drops (async)
     assert any(m["filter/groups_per_trained"] > 1 for m in lines)  # the tiny warm start ties often: refills ran
     records = trained_groups(run)
     assert [r["step"] for r in records] == [s for s in range(1, steps + 1) for _ in range(4)]

@@ -29,6 +29,7 @@ from vcpo.errors import RunFailed, signal_name
 from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.filtering import DynamicSampling
 from vcpo.orchestration.staleness import StalenessController
+from vcpo.orchestration.tally import GroupTally
 from vcpo.orchestration.worker import WorkerSpec, rollout_worker
 from vcpo.rollout.weights import WeightPublisher
 from vcpo.types import Trajectory
@@ -92,7 +93,8 @@ class AsyncSource:
         self._failure: str | None = None
         self._inbox: deque[list[Trajectory]] = deque()  # groups received, not yet handed to next_batch
         self.sampling = sampling
-        self._filter_metrics: dict[str, float] = {}  # of the last batch
+        self.tally = GroupTally()
+        self._batch_metrics: dict[str, float] = {}  # groups/* and filter/* of the last batch
 
     def _spawn(self, worker_id: int) -> _Worker:
         ticket_reader, ticket_writer = self._ctx.Pipe(duplex=False)
@@ -204,8 +206,11 @@ class AsyncSource:
             if self.controller.keep(group, learner_version):
                 batch.extend(group)
                 kept += 1
+                self.tally.add(group, "trained")
             else:
+                self.tally.add(group, "dropped")
                 self._admit()  # the drop freed admission capacity
+        self._batch_metrics = self.tally.take()
         return batch
 
     def _filled_batch(self, learner_version: int) -> list[Trajectory]:
@@ -215,12 +220,15 @@ class AsyncSource:
         while not fill.done:
             group = self._receive()
             if not self.controller.keep(group, learner_version):
+                self.tally.add(group, "dropped")
                 self._admit()  # the drop freed admission capacity
             elif not fill.offer(group):
                 self.controller.release()
                 self._admit()
-        groups, self._filter_metrics = fill.result()
+        groups, filter_metrics = fill.result()
         self.controller.reclaim(fill.reclaimed)
+        fill.record(self.tally)
+        self._batch_metrics = filter_metrics | self.tally.take()
         return [t for g in groups for t in g]
 
     def _lock(self, i: int) -> Any:
@@ -276,7 +284,7 @@ class AsyncSource:
         out = {"staleness/dropped_over_bound": float(s.dropped_over_bound + self._before.get("dropped_over_bound", 0)),
                "staleness/dropped_alpha": float(s.dropped_alpha + self._before.get("dropped_alpha", 0)),
                "async/worker_restarts": float(self.restarts + self._before.get("worker_restarts", 0))}
-        out |= self._filter_metrics
+        out |= self._batch_metrics
         if self.publisher is not None:  # the last update of the servers (as the Ray backend reports it)
             out["time/weight_publish_s"] = self.publish_s
         return out

@@ -9,6 +9,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from vcpo.orchestration.tally import GroupTally
 from vcpo.types import Trajectory
 
 
@@ -74,6 +75,20 @@ class StepFill:
         at least P - kept of them were dropped)."""
         return max(0, self.P - len(self.kept))
 
+    def trained(self) -> list[list[Trajectory]]:
+        return self.kept[: self.P] + self.dropped[: self.reclaimed]
+
+    def left_out(self) -> list[list[Trajectory]]:
+        """The judged groups the step does not train: those without signal (fillers aside) and a round's surplus."""
+        return self.kept[self.P:] + self.dropped[self.reclaimed:]
+
+    def record(self, tally: GroupTally) -> None:
+        """Into ``tally``: the groups the step trains, and those it left out as dropped."""
+        for group in self.trained():
+            tally.add(group, "trained")
+        for group in self.left_out():
+            tally.add(group, "dropped")
+
     def result(self) -> tuple[list[list[Trajectory]], dict[str, float]]:
         """The step's groups, the first P informative ones (at the cap: all of them and the first uninformative
         fillers), and its metrics, taken now:
@@ -83,7 +98,7 @@ class StepFill:
         - ``filter/extra_rollout_s``: seconds from the step's first P judged groups to its full batch (what refilling
           cost; 0 when the first P sufficed);
         - ``filter/cap_hit``: 1 when the step trained on fewer than P informative groups."""
-        groups = self.kept[: self.P] + self.dropped[: self.reclaimed]
+        groups = self.trained()
         metrics = {
             "filter/dropped_frac": len(self.dropped) / max(self.judged, 1),
             "filter/groups_per_trained": self.judged / max(len(groups), 1),

@@ -9,6 +9,7 @@ import torch
 from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.base import RolloutContext, generator_for, trajectory_from_dict, trajectory_to_dict
 from vcpo.orchestration.filtering import DynamicSampling
+from vcpo.orchestration.tally import GroupTally
 from vcpo.rollout.collect import collect_groups
 from vcpo.types import Trajectory
 
@@ -22,6 +23,13 @@ def _generate_batch(engine, ctx: RolloutContext, index: int) -> list[Trajectory]
     return [t for g in groups for t in g]
 
 
+def _groups(batch: list[Trajectory]) -> list[list[Trajectory]]:
+    by_id: dict[int, list[Trajectory]] = {}
+    for t in batch:
+        by_id.setdefault(t.group_id, []).append(t)
+    return list(by_id.values())
+
+
 class _Batches:
     """Where a local source's batches come from: batch ``index`` of the problem stream (``rollout.filter: none``),
     or, with dynamic sampling, rounds of P groups read from a cursor into the stream (``next_group``, kept in the
@@ -33,9 +41,14 @@ class _Batches:
         self.next_group = 0
 
     def make(self, engine, index: int) -> tuple[list[Trajectory], dict[str, float]]:
-        """The batch trained at step ``index`` and its ``filter/*`` metrics (none without a filter)."""
+        """The batch trained at step ``index`` and its metrics: ``groups/*`` (vcpo.orchestration.tally) and, with a
+        filter, ``filter/*``."""
+        tally = GroupTally()
         if self.sampling is None:
-            return _generate_batch(engine, self.ctx, index), {}
+            batch = _generate_batch(engine, self.ctx, index)
+            for group in _groups(batch):
+                tally.add(group, "trained")
+            return batch, tally.take()
         ctx, fill = self.ctx, self.sampling.fill()
         while not fill.done:
             indices = list(range(self.next_group, self.next_group + min(ctx.stream.prompts_per_step, fill.room)))
@@ -44,7 +57,8 @@ class _Batches:
                 fill.offer(group)
             self.next_group = indices[-1] + 1
         groups, metrics = fill.result()
-        return [t for g in groups for t in g], metrics
+        fill.record(tally)
+        return [t for g in groups for t in g], metrics | tally.take()
 
     def state(self) -> dict[str, Any]:
         return {} if self.sampling is None else {"next_group": self.next_group}
@@ -120,7 +134,8 @@ class LaggedSource:
     trained at a lag above the k in force, and the run stays exactly reproducible.
 
     With dynamic sampling (``sampling``) each batch is filled when it is generated, at the weights it is generated
-    with, and its ``filter/*`` metrics are reported at the step that trains it (they are queued with it).
+    with. Its ``filter/*`` and ``groups/*`` metrics are reported at the step that trains it (queued with it; the
+    batches a lowered bound drops are counted in ``staleness/dropped_over_bound`` only).
     """
 
     def __init__(self, engine, ctx: RolloutContext, max_staleness: int,
@@ -131,7 +146,7 @@ class LaggedSource:
         self.k = max_staleness
         self.batches = _Batches(ctx, sampling)
         self.pending: dict[int, list[Trajectory]] = {}
-        self.pending_metrics: dict[int, dict[str, float]] = {}  # filter/* of each queued batch
+        self.pending_metrics: dict[int, dict[str, float]] = {}  # filter/* and groups/* of each queued batch
         self._metrics: dict[str, float] = {}  # of the batch trained last
         self.dropped = 0  # groups of the batches dropped for a lowered bound
         self.adaptive = False  # set_bound was called: the drop count is reported
@@ -165,20 +180,19 @@ class LaggedSource:
         return ({"staleness/dropped_over_bound": float(self.dropped)} if self.adaptive else {}) | self._metrics
 
     def state(self) -> dict[str, Any]:
-        """The queued batches by index (``"dropped"``: the drop count, when any batch was dropped; with dynamic
-        sampling, ``"filter"``: the stream cursor and each queued batch's metrics)."""
+        """The queued batches by index (``"dropped"``: the drop count, when any batch was dropped; ``"batches"``:
+        each queued batch's metrics and, with dynamic sampling, the stream cursor)."""
         state: dict[str, Any] = {str(i): [trajectory_to_dict(t) for t in b] for i, b in self.pending.items()}
-        if self.batches.sampling is not None:
-            state["filter"] = self.batches.state() | {"metrics": {str(i): m for i, m in self.pending_metrics.items()}}
+        state["batches"] = self.batches.state() | {"metrics": {str(i): m for i, m in self.pending_metrics.items()}}
         return state | ({"dropped": self.dropped} if self.dropped else {})
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.dropped = int(state.get("dropped", 0))
-        sampled = state.get("filter", {})
-        self.batches.load_state(sampled)
-        self.pending_metrics = {int(i): m for i, m in sampled.get("metrics", {}).items()}
+        batches = state.get("batches", {})
+        self.batches.load_state(batches)
+        self.pending_metrics = {int(i): m for i, m in batches.get("metrics", {}).items()}
         self.pending = {int(i): [trajectory_from_dict(d) for d in b] for i, b in state.items()
-                        if i not in ("dropped", "filter")}
+                        if i not in ("dropped", "batches")}
 
     def close(self) -> None:
         pass

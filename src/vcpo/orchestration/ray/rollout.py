@@ -24,6 +24,7 @@ from vcpo.orchestration.ray.placement import node_id, rollout_options
 from vcpo.orchestration.ray.session import error_line, get
 from vcpo.orchestration.ray.weights import WeightBoard, host_state_dict
 from vcpo.orchestration.staleness import StalenessController
+from vcpo.orchestration.tally import GroupTally
 from vcpo.orchestration.worker import WorkerSpec, build_worker
 from vcpo.rollout.weights import WeightPublisher
 from vcpo.types import Trajectory
@@ -174,7 +175,8 @@ class RaySource:
         self.current: tuple[int, Any] | None = None
         self.start_version = start_version
         self.sampling = sampling
-        self.filter_metrics: dict[str, float] = {}  # of the last batch
+        self.tally = GroupTally()
+        self.batch_metrics: dict[str, float] = {}  # groups/* and filter/* of the last batch
 
     def pids(self) -> list[int]:
         return get([a.pid.remote() for a in self.actors], self.rc.timeout_s, "rollout actor pid")
@@ -253,6 +255,10 @@ class RaySource:
             if self.controller.keep(group, learner_version):
                 batch.extend(group)
                 kept += 1
+                self.tally.add(group, "trained")
+            else:
+                self.tally.add(group, "dropped")
+        self.batch_metrics = self.tally.take()
         self._admit_and_send()  # the actors work on the next groups while the learner steps
         return batch
 
@@ -266,10 +272,14 @@ class RaySource:
                 self._receive()
                 continue
             group = self.ready.popleft()
-            if self.controller.keep(group, learner_version) and not fill.offer(group):
+            if not self.controller.keep(group, learner_version):
+                self.tally.add(group, "dropped")
+            elif not fill.offer(group):
                 self.controller.release()
-        groups, self.filter_metrics = fill.result()
+        groups, filter_metrics = fill.result()
         self.controller.reclaim(fill.reclaimed)
+        fill.record(self.tally)
+        self.batch_metrics = filter_metrics | self.tally.take()
         self._admit_and_send()  # the actors work on the next groups while the learner steps
         return [t for g in groups for t in g]
 
@@ -300,7 +310,7 @@ class RaySource:
     def metrics(self) -> dict[str, float]:
         s = self.controller.stats
         out = {"staleness/dropped_over_bound": float(s.dropped_over_bound),
-               "staleness/dropped_alpha": float(s.dropped_alpha)} | self.stats | self.filter_metrics
+               "staleness/dropped_alpha": float(s.dropped_alpha)} | self.stats | self.batch_metrics
         if self.broadcast is not None:
             out |= self.broadcast.stats
         self.stats = dict.fromkeys(self.stats, 0.0) | {"ray/actor_restarts": self.stats["ray/actor_restarts"],
