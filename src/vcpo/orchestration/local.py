@@ -9,6 +9,7 @@ import torch
 from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.base import RolloutContext, generator_for, trajectory_from_dict, trajectory_to_dict
 from vcpo.orchestration.filtering import DynamicSampling
+from vcpo.orchestration.replay import split_groups
 from vcpo.orchestration.tally import GroupTally
 from vcpo.rollout.collect import collect_groups
 from vcpo.types import Trajectory
@@ -21,13 +22,6 @@ def _generate_batch(engine, ctx: RolloutContext, index: int) -> list[Trajectory]
         ctx.group_size, ctx.sampling, generator_for(ctx.seed, index),
     )
     return [t for g in groups for t in g]
-
-
-def _groups(batch: list[Trajectory]) -> list[list[Trajectory]]:
-    by_id: dict[int, list[Trajectory]] = {}
-    for t in batch:
-        by_id.setdefault(t.group_id, []).append(t)
-    return list(by_id.values())
 
 
 class _Batches:
@@ -46,7 +40,7 @@ class _Batches:
         tally = GroupTally()
         if self.sampling is None:
             batch = _generate_batch(engine, self.ctx, index)
-            for group in _groups(batch):
+            for group in split_groups(batch):
                 tally.add(group, "trained")
             return batch, tally.take()
         ctx, fill = self.ctx, self.sampling.fill()

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from vcpo.errors import DiskError
+from vcpo.orchestration.replay import split_groups
+from vcpo.orchestration.tally import group_length
 from vcpo.train.run_dir import TRAINED_GROUPS_FILE
 from vcpo.types import Trajectory
 
@@ -18,12 +20,8 @@ def trained_group_records(trajectories: list[Trajectory], step: int) -> list[dic
     ``prompt_index`` (the group's position in the run's problem stream, its ``group_id``), ``version`` (the policy
     version of its oldest token: the one it was generated with) and ``length_mean`` (its responses' mean number of
     model tokens, observations left out)."""
-    groups: dict[int, list[Trajectory]] = {}
-    for t in trajectories:
-        groups.setdefault(t.group_id, []).append(t)
-    return [{"step": step, "prompt_index": gid, "version": min(t.min_version for t in group),
-             "length_mean": sum(sum(t.model_token_mask()) for t in group) / len(group)}
-            for gid, group in groups.items()]
+    return [{"step": step, "prompt_index": group[0].group_id, "version": min(t.min_version for t in group),
+             "length_mean": group_length(group)} for group in split_groups(trajectories)]
 
 
 def append_trained_groups(run_dir: Path, records: list[dict[str, Any]]) -> None:
