@@ -35,6 +35,7 @@ def test_the_cap_is_floor_of_factor_times_groups_and_never_below_one_step():
     assert DynamicSampling(4, 1.5).cap == 6  # floor(1.5 x 4)
     assert DynamicSampling(4, 2.9).cap == 11  # floor(11.6)
     assert DynamicSampling(4, 1.0).cap == 4
+    assert DynamicSampling(10, 2.3).cap == 23  # 2.3 x 10 is 22.999999999999996 in floating point
 
 
 def test_a_step_keeps_the_first_informative_groups_and_counts_what_it_judged():

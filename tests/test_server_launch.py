@@ -55,6 +55,23 @@ def test_a_run_starts_its_servers_trains_through_them_and_stops_them(tmp_path):
     assert wait_gone(str(policy), 10) == []
 
 
+def test_dynamic_sampling_refills_through_the_servers_in_async_mode(tmp_path):
+    policy = save_tiny_policy(tmp_path / "policy-filter")
+    run_dir = tmp_path / "run"
+    proc = run(train_args(policy, run_dir, "async.mode=async", "async.max_staleness=1", "trainer.max_steps=2",
+                          "rollout.filter=zero_variance", "rollout.filter_max_factor=2"))
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    lines = metrics(run_dir)
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:  # 4 groups trained a step, out of 4 to floor(2 x 4) = 8 judged
+        assert m["batch/groups"] == 4 and m["groups/trained_count"] == 4
+        assert 1.0 <= m["filter/groups_per_trained"] <= 2.0 and m["staleness/max"] <= 1
+        assert m["reward/zero_var_group_frac"] == 0.0 or m["filter/cap_hit"] == 1.0
+        assert m["groups/generated_count"] >= 4 * m["filter/groups_per_trained"] - 1e-9
+    assert wait_gone(str(policy), 10) == []
+
+
 def test_a_server_that_cannot_start_is_one_error_with_its_logs_tail(tmp_path):
     policy = save_tiny_policy(tmp_path / "policy-bad")
     proc = run(train_args(policy, tmp_path / "run", "trainer.max_steps=2", "rollout.server.launch.num_servers=1",

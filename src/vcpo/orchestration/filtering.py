@@ -29,10 +29,12 @@ class DynamicSampling:
 
     @property
     def cap(self) -> int:
-        """The most groups a step judges: floor(max_factor x groups_per_step), at least groups_per_step."""
-        return max(self.groups_per_step, math.floor(self.max_factor * self.groups_per_step))
+        """The most groups a step judges: floor(max_factor x groups_per_step), at least groups_per_step (the 1e-9
+        keeps a product such as 2.3 x 10 = 22.999999999999996 at 23)."""
+        return max(self.groups_per_step, math.floor(self.max_factor * self.groups_per_step + 1e-9))
 
     def fill(self) -> StepFill:
+        """A new step's fill."""
         return StepFill(self.groups_per_step, self.cap)
 
 

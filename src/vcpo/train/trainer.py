@@ -1,5 +1,6 @@
 """The training loop: warm start, then per step: batch from the rollout source -> learner step ->
-publish weights -> metrics, periodic evaluation and atomic checkpoints. Mode- and objective-blind.
+publish weights -> metrics and the trained groups' prompts (trained_groups.jsonl), periodic evaluation and atomic
+checkpoints. Mode- and objective-blind.
 
 Everything that can fail is checked before the run directory is written; SIGTERM/SIGINT end the run
 with a checkpoint of the last finished step; non-finite steps are skipped, counted, and stop the run
