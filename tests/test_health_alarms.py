@@ -336,6 +336,22 @@ def test_a_solved_run_under_on_alarm_stop_completes_with_a_saturation_notice(tmp
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
 
 
+def test_a_fresh_model_at_a_high_temperature_is_no_uniform_policy(tmp_path):
+    """No warm start (the embedded model as initialised) sampled at temperature 2: its sampled tokens' entropy sits at
+    ln V from step 1, which is where it starts, not a blow-up (before issue 45: uniform_policy at step 2). Its rewards
+    are all 0, so no_signal is right to fire."""
+    run = tmp_path / "run"
+    proc = vcpo("train", "-c", "configs/quickstart.yaml", f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=0",
+                "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "task.eval_size=16",
+                "trainer.eval_every=0", "logging.progress=false", "async.mode=sync", "trainer.max_steps=3",
+                "rollout.temperature=2.0", f"run_dir={run}")
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert all(m["health/entropy"] > 0.9 * math.log(103) for m in lines)  # near uniform throughout
+    assert not any(m["health/alarm_uniform_policy"] for m in lines) and "uniform_policy" not in proc.stderr
+    assert lines[-1]["health/alarm_no_signal"] == 1.0
+
+
 # A fault injected into the learner: from step 3 on, one gradient entry is NaN while the learning rate is above 6e-4
 # (a step that diverges at a high rate only), so that halving the tiny config's 1e-3 cures it.
 NAN_GRADIENT_AT_HIGH_LR = """
