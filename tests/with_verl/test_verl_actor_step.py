@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -76,15 +78,16 @@ def _verl_rank(rank: int, world_size: int, port: int, model_dir: str, results: s
     set_platform(CPUPlatform())
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
+        from omegaconf import OmegaConf
         from verl import DataProto
         from verl.trainer.config import CheckpointConfig
+        from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
         from verl.utils import tensordict_utils as tu
+        from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.config import (
-            FSDPActorConfig,
             FSDPEngineConfig,
             FSDPOptimizerConfig,
             HFModelConfig,
-            PolicyLossConfig,
         )
         from verl.workers.engine import EngineRegistry
         from verl.workers.utils.losses import ppo_loss
@@ -123,27 +126,43 @@ def _verl_rank(rank: int, world_size: int, port: int, model_dir: str, results: s
             "old_log_probs": no_padding_2_padding(out["log_probs"], td).float(),
             "sum_pi_squared": no_padding_2_padding(out["sum_pi_squared"], td).float()})
 
-        # one actor update: bypass mode's inputs (old_log_probs = the rollout's), GRPO advantages
-        actor = FSDPActorConfig(strategy="fsdp2", rollout_n=4, ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=2,
-                                use_torch_compile=False, loss_agg_mode=LOSS_AGG,
-                                policy_loss=PolicyLossConfig(loss_mode="vcpo_vcpo"))
-        update = DataProto.from_dict(tensors={**tensors, "old_log_probs": batch["rollout_log_probs"],
-                                              "advantages": grpo_advantages(batch)})
-        td = engine_input(update, calculate_entropy=False, global_batch_size=B, compute_loss=True)
-        calls = []
+        # the driver's actor config; RayPPOTrainer.init_workers hands the workers theirs before training starts
+        driver = OmegaConf.create({
+            "_target_": "verl.workers.config.FSDPActorConfig", "strategy": "fsdp2", "rollout_n": 4,
+            "ppo_mini_batch_size": B, "ppo_micro_batch_size_per_gpu": 2, "use_torch_compile": False,
+            "loss_agg_mode": LOSS_AGG,
+            "policy_loss": {"_target_": "verl.workers.config.PolicyLossConfig", "loss_mode": "vcpo_vcpo"}})
+        worker_actor = omega_conf_to_dataclass(driver)
+        # then each step: bypass mode (old_log_probs = the rollout's) and GRPO advantages
+        update = DataProto.from_dict(tensors={**tensors, "advantages": grpo_advantages(batch)})
+        apply_bypass_mode(update, policy_loss_config=driver.policy_loss, rollout_corr_config=OmegaConf.create({
+            "_target_": "verl.trainer.config.algorithm.RolloutCorrectionConfig", "bypass_mode": True,
+            "rollout_is": None, "loss_type": "ppo_clip"}))
 
-        def counted_ppo_loss(*args, **kwargs):
-            calls.append(1)
-            return ppo_loss(actor, *args, **kwargs)
+        def step(actor) -> tuple[dict, list[str]]:
+            """One actor update as TrainingWorker.train_batch runs it; its metrics and the warnings raised."""
+            td = engine_input(update, calculate_entropy=False, global_batch_size=B, compute_loss=True)
+            with warnings.catch_warnings(record=True) as caught, engine.train_mode():
+                warnings.simplefilter("always")
+                stepped = engine.train_batch(td, loss_function=lambda *args, **kwargs: (
+                    calls.append(actor.policy_loss.loss_mode), ppo_loss(actor, *args, **kwargs))[1])
+            return stepped["metrics"], [str(w.message) for w in caught]
 
-        with engine.train_mode():
-            stepped = engine.train_batch(td, loss_function=counted_ppo_loss)
+        calls: list[str] = []
+        metrics, _ = step(worker_actor)
         weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
                    for k, v in engine.module.state_dict().items()}
-        torch.save({"batch": batch, "actor_output": actor_output.batch.to_dict(), "weights": weights,
-                    "lr_scale": engine.optimizer.last_lr_scale, "ess_ratio": engine.optimizer.last_ess_ratio,
-                    "grad_norm": stepped["metrics"]["grad_norm"], "micro_batches": len(calls)},
-                   results)
+        first = {"lr_scale": engine.optimizer.last_lr_scale, "ess_ratio": engine.optimizer.last_ess_ratio,
+                 "grad_norm": metrics["grad_norm"], "calls": list(calls),
+                 "vcpo_metrics": any(key.startswith("actor/vcpo/") for key in metrics)}
+        # what the workers run once the driver's switch reaches them (verl#4912's fix)
+        calls.clear()
+        metrics, caught = step(omega_conf_to_dataclass(driver))
+        switched = {"calls": list(calls), "vcpo_metrics": any(key.startswith("actor/vcpo/") for key in metrics),
+                    "warnings": caught, "lr_scale": engine.optimizer.last_lr_scale}
+        torch.save({"batch": batch, "actor_output": actor_output.batch.to_dict(), "weights": weights, "first": first,
+                    "switched": switched, "driver_loss_mode": driver.policy_loss.loss_mode,
+                    "old_is_rollout": torch.equal(update.batch["old_log_probs"], batch["rollout_log_probs"])}, results)
     finally:
         dist.destroy_process_group()
 
@@ -157,17 +176,18 @@ def verl_step(tmp_path_factory) -> dict:
 
 
 def test_verls_actor_update_with_a_vcpo_loss_and_ess_adamw_is_vcpos_learner_step(verl_step):
-    """verl's engine split the batch into 4 micro-batches of 2 rows and rescaled each loss to the global batch;
-    vcpo's Learner takes the same step on the whole batch (objective vcpo, GRPO advantages, clip 1, AdamW, sqrt ESS
-    rule): the same ESS-scaled learning rate and gradient norm to 1e-5, each parameter's update to ``TOLERANCE``."""
+    """verl's engine, in bypass mode, split the batch into 4 micro-batches of 2 rows and rescaled each loss to the
+    global batch; vcpo's Learner takes the same step on the whole batch (objective vcpo, GRPO advantages, clip 1,
+    AdamW, sqrt ESS rule): the same ESS-scaled learning rate and gradient norm to 1e-5, each parameter's update
+    to ``TOLERANCE``."""
     from transformers import AutoModelForCausalLM
 
     from vcpo.config import load_config
     from vcpo.train.learner import Learner
     from vcpo.types import Batch
 
-    batch = verl_step["batch"]
-    assert verl_step["micro_batches"] == 4
+    batch, first = verl_step["batch"], verl_step["first"]
+    assert first["calls"] == ["vcpo_vcpo"] * 4  # verl split the batch into 4 micro-batches of 2 rows
     model = AutoModelForCausalLM.from_pretrained(verl_step["model_dir"], attn_implementation="eager")
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     config = load_config(None, ["objective.name=vcpo", f"objective.loss_agg={LOSS_AGG}", "advantage.estimator=grpo",
@@ -177,10 +197,59 @@ def test_verls_actor_update_with_a_vcpo_loss_and_ess_adamw_is_vcpos_learner_step
     behaviour = torch.cat([torch.zeros(B, P), batch["rollout_log_probs"]], dim=1)
     metrics = learner.step(Batch(batch["input_ids"], batch["attention_mask"], full_mask, behaviour,
                                  torch.zeros(B, P + R, dtype=torch.long), batch["rewards"], torch.arange(B) // 4))
-    assert verl_step["ess_ratio"] < 0.9  # an off-policy batch: the ESS rule acted
-    assert verl_step["lr_scale"] == pytest.approx(metrics["lr_scale"], rel=1e-5)
-    assert verl_step["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+    assert first["ess_ratio"] < 0.9  # an off-policy batch: the ESS rule acted
+    assert first["lr_scale"] == pytest.approx(metrics["lr_scale"], rel=1e-5)
+    assert first["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
     after = verl_step["weights"]
     gaps = {name: float((after[name] - ours).norm() / (ours - before[name]).norm())
             for name, ours in model.state_dict().items()}
     assert max(gaps.values()) <= TOLERANCE, gaps
+
+
+def test_which_loss_runs_after_verls_apply_bypass_mode(verl_step):
+    """verl 0.9.1's apply_bypass_mode switches the driver's policy_loss.loss_mode to its own "bypass_mode" loss; the
+    workers' config was built before, so vcpo_vcpo still runs (verl#4912). Once that switch reaches the workers,
+    verl's bypass_mode loss runs instead: vcpo's loss then records nothing and ESSAdamW says so, in a warning, and
+    steps unscaled. If verl stops switching the driver's loss, the first assertion fails and this doc must change."""
+    assert verl_step["driver_loss_mode"] == "bypass_mode" and verl_step["old_is_rollout"]
+    assert verl_step["first"]["calls"] == ["vcpo_vcpo"] * 4 and verl_step["first"]["vcpo_metrics"]
+    switched = verl_step["switched"]
+    assert switched["calls"] == ["bypass_mode"] * 4 and not switched["vcpo_metrics"]
+    assert switched["lr_scale"] == 1.0
+    assert any("ESSAdamW: no vcpo_* policy loss recorded a log-weight" in w for w in switched["warnings"])
+
+
+def test_opob_in_bypass_mode_takes_the_policy_from_verls_log_prob_pass(verl_step):
+    """Bypass mode skips verl's log-prob pass; a trainer runs it (sum_pi_squared on) and adds its output with
+    add_policy_log_probs: OPOB's G is then the logit proxy of the policy and W the policy over the rollout, as vcpo's
+    own functions give them on the same model (verl's pass in float32: 1e-5)."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+    from verl import DataProto
+    from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
+
+    from vcpo.integrations.verl import add_policy_log_probs, compute_opob_advantage
+    from vcpo.variance import logit_proxy_grad_sq_norms, opob_advantages, sequence_log_weights, token_logprobs
+
+    batch = verl_step["batch"]
+    mask = batch["response_mask"]
+    rewards = torch.zeros(B, R)
+    rewards[torch.arange(B), (mask.sum(1) - 1).long()] = batch["rewards"]
+    data = DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": mask,
+                                        "rollout_log_probs": batch["rollout_log_probs"]},
+                               non_tensors={"uid": np.array(["p0"] * 4 + ["p1"] * 4, dtype=object)})
+    apply_bypass_mode(data, rollout_corr_config=OmegaConf.create({"bypass_mode": True}),
+                      policy_loss_config=OmegaConf.create({"loss_mode": "vcpo_vcpo"}))
+    data = add_policy_log_probs(data, DataProto.from_dict(tensors=verl_step["actor_output"]))
+    ours = compute_opob_advantage(data, variant="plugin").batch["advantages"]
+    assert torch.equal(data.batch["old_log_probs"], batch["rollout_log_probs"])  # the losses' behaviour policy kept
+
+    model = AutoModelForCausalLM.from_pretrained(verl_step["model_dir"], attn_implementation="eager").eval()
+    with torch.no_grad():
+        lp, _, collision = token_logprobs(model, batch["input_ids"], batch["attention_mask"], return_collision=True)
+    full_mask = torch.cat([torch.zeros(B, P), mask], dim=1)
+    G = logit_proxy_grad_sq_norms(lp.double(), collision.double(), full_mask.double())
+    logw = sequence_log_weights(lp[:, P:].double(), batch["rollout_log_probs"].double(), mask.double())
+    assert logw.abs().min() > 0.1  # W is not 1
+    expected = opob_advantages(batch["rewards"].double(), logw, G, torch.arange(B) // 4, variant="plugin")
+    torch.testing.assert_close(ours, (expected[:, None] * mask).float(), rtol=1e-5, atol=1e-5)
