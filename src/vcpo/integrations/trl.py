@@ -245,14 +245,16 @@ class VCPOGRPOTrainer(GRPOTrainer):
         was_training = model.training
         model.eval()
         step = self.args.per_device_train_batch_size
+        chunks_bS = []
         try:
             with torch.no_grad():
-                return torch.cat([token_logprobs(model, input_ids_BS[rows], attention_mask_BS[rows], self.temperature,
-                                                 positions=response_mask_BS[rows])
-                                  for rows in (slice(start, start + step)
-                                               for start in range(0, input_ids_BS.shape[0], step))])
+                for start in range(0, input_ids_BS.shape[0], step):
+                    rows = slice(start, start + step)
+                    chunks_bS.append(token_logprobs(model, input_ids_BS[rows], attention_mask_BS[rows],
+                                                    self.temperature, positions=response_mask_BS[rows]))
         finally:
             model.train(was_training)
+        return torch.cat(chunks_bS)
 
     def grad_sq_norms(self, input_ids_BS: Tensor, attention_mask_BS: Tensor, response_mask_BS: Tensor,
                       needed_B: Tensor) -> Tensor:

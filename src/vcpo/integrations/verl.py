@@ -46,8 +46,7 @@ class ESSWindow:
             self.logw.append(logw_B.detach().double())
 
     def take(self) -> Tensor:
-        """The log-weights recorded since the last call ([0] when none), and a fresh window (also what a step
-        verl skips does to them, through ``ESSAdamW.zero_grad``)."""
+        """The log-weights recorded since the last call ([0] when none), and a fresh window."""
         taken = torch.cat(self.logw) if self.logw else torch.zeros(0, dtype=torch.float64)
         self.logw = []
         return taken
