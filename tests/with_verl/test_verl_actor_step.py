@@ -11,6 +11,7 @@ declare), so the test calls the engine's ``train_batch`` with ``ppo_loss`` as th
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import warnings
 from pathlib import Path
@@ -93,7 +94,7 @@ def _verl_rank(rank: int, world_size: int, port: int, model_dir: str, results: s
         from verl.workers.utils.losses import ppo_loss
         from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-        import vcpo.integrations.verl  # noqa: F401  (registers the vcpo_* losses)
+        import vcpo.integrations.verl  # registers the vcpo_* losses; ESS_WINDOW below
 
         model_config = HFModelConfig(path=model_dir, override_config={"attn_implementation": "eager"})
         model_config.model_type = "language_model"
@@ -139,9 +140,9 @@ def _verl_rank(rank: int, world_size: int, port: int, model_dir: str, results: s
             "_target_": "verl.trainer.config.algorithm.RolloutCorrectionConfig", "bypass_mode": True,
             "rollout_is": None, "loss_type": "ppo_clip"}))
 
-        def step(actor) -> tuple[dict, list[str]]:
+        def step(actor, data: DataProto = update) -> tuple[dict, list[str]]:
             """One actor update as TrainingWorker.train_batch runs it; its metrics and the warnings raised."""
-            td = engine_input(update, calculate_entropy=False, global_batch_size=B, compute_loss=True)
+            td = engine_input(data, calculate_entropy=False, global_batch_size=B, compute_loss=True)
             with warnings.catch_warnings(record=True) as caught, engine.train_mode():
                 warnings.simplefilter("always")
                 stepped = engine.train_batch(td, loss_function=lambda *args, **kwargs: (
@@ -155,13 +156,22 @@ def _verl_rank(rank: int, world_size: int, port: int, model_dir: str, results: s
         first = {"lr_scale": engine.optimizer.last_lr_scale, "ess_ratio": engine.optimizer.last_ess_ratio,
                  "grad_norm": metrics["grad_norm"], "calls": list(calls),
                  "vcpo_metrics": any(key.startswith("actor/vcpo/") for key in metrics)}
+        # a step verl skips: a NaN advantage makes the gradient norm NaN, and the engine zeroes the gradients
+        nan_advantages = update.batch["advantages"].clone()
+        nan_advantages[0] = float("nan")
+        metrics, _ = step(worker_actor, DataProto.from_dict(tensors={**update.batch.to_dict(),
+                                                                     "advantages": nan_advantages}))
+        unchanged = all(torch.equal((v.full_tensor() if hasattr(v, "full_tensor") else v), weights[k])
+                        for k, v in engine.module.state_dict().items())
+        skipped = {"grad_norm": metrics["grad_norm"], "weights_unchanged": unchanged,
+                   "window_after": len(vcpo.integrations.verl.ESS_WINDOW.logw)}
         # what the workers run once the driver's switch reaches them (verl#4912's fix)
         calls.clear()
         metrics, caught = step(omega_conf_to_dataclass(driver))
         switched = {"calls": list(calls), "vcpo_metrics": any(key.startswith("actor/vcpo/") for key in metrics),
                     "warnings": caught, "lr_scale": engine.optimizer.last_lr_scale}
         torch.save({"batch": batch, "actor_output": actor_output.batch.to_dict(), "weights": weights, "first": first,
-                    "switched": switched, "driver_loss_mode": driver.policy_loss.loss_mode,
+                    "switched": switched, "skipped": skipped, "driver_loss_mode": driver.policy_loss.loss_mode,
                     "old_is_rollout": torch.equal(update.batch["old_log_probs"], batch["rollout_log_probs"])}, results)
     finally:
         dist.destroy_process_group()
@@ -253,3 +263,12 @@ def test_opob_in_bypass_mode_takes_the_policy_from_verls_log_prob_pass(verl_step
     assert logw.abs().min() > 0.1  # W is not 1
     expected = opob_advantages(batch["rewards"].double(), logw, G, torch.arange(B) // 4, variant="plugin")
     torch.testing.assert_close(ours, (expected[:, None] * mask).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_verl_skips_leaves_its_log_weights_behind(verl_step):
+    """A NaN advantage: verl's optimizer_step sees a non-finite gradient norm, zeroes the gradients and does not step.
+    The losses had recorded that step's log-weights; ESSAdamW.zero_grad drops them, so the next step's ESS is its
+    own."""
+    skipped = verl_step["skipped"]
+    assert not math.isfinite(skipped["grad_norm"]) and skipped["weights_unchanged"]
+    assert skipped["window_after"] == 0
