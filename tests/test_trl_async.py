@@ -25,6 +25,7 @@ from vcpo.variance import (
     opob_advantages,
     sequence_log_weights,
     token_logprobs,
+    trajectory_grad_sq_norms,
 )
 
 from conftest import save_tiny_policy
@@ -49,7 +50,10 @@ class Recording(VCPOAsyncGRPOTrainer):
             mask = torch.as_tensor(s.completion_mask)[None]
             with torch.no_grad():
                 lp, _, collision = token_logprobs(plain, ids, temperature=self.temperature, return_collision=True)
-            expected_G.append(logit_proxy_grad_sq_norms(lp, collision, mask, self.temperature)[0])
+            if self.grad_norm_method == "logit_proxy":
+                expected_G.append(logit_proxy_grad_sq_norms(lp, collision, mask, self.temperature)[0])
+            else:  # the fast norms against the exact reference (temperature 1 here)
+                expected_G.append(trajectory_grad_sq_norms(plain, ids, mask, method="exact")[0])
             expected_logw.append(sequence_log_weights(lp.double(), torch.as_tensor(s.old_log_probs)[None].double(),
                                                       mask)[0])
         self.groups.append((self.last_opob, torch.stack(expected_logw), torch.stack(expected_G)))
@@ -112,30 +116,42 @@ def test_stale_batches_cut_the_applied_lr_by_the_ess_rule_and_train_on_vcpos_opo
 
     stale_groups = [g for g, _, _ in trainer.groups if g.sample_version < g.trainer_version]
     assert stale_groups and all(g.logw_G.abs().max() > 1e-2 for g in stale_groups)  # W != 1 in OPOB's inputs
-    varied = 0
-    for group, expected_logw, expected_G in trainer.groups:
-        torch.testing.assert_close(group.logw_G, expected_logw, rtol=0, atol=1e-5)
-        if group.rewards_G.max() > group.rewards_G.min():
-            varied += 1
-            torch.testing.assert_close(group.grad_sq_norms_G, expected_G, rtol=1e-6, atol=0)
-        else:
-            assert not group.grad_sq_norms_G.any()  # equal rewards: advantage 0 whatever G is, so none measured
-        expected = opob_advantages(group.rewards_G, group.logw_G, group.grad_sq_norms_G,
-                                   torch.zeros(4, dtype=torch.long), variant="grad_only")
-        torch.testing.assert_close(group.advantages_G, expected)
-    assert varied, "no group with differing rewards: nothing to compare"
+    assert_opob_is_vcpos(trainer.groups, rtol=1e-6)
     assert any(not torch.allclose(g.advantages_G, g.worker_advantages_G, atol=1e-3) for g, _, _ in trainer.groups)
     computed = torch.cat([g.advantages_G for g, _, _ in trainer.groups]).float()
     for seen in torch.cat(trainer.seen_advantages):  # every sequence trained on carries its group's OPOB advantage
         assert torch.isclose(computed, seen, rtol=0, atol=1e-6).any()
 
 
-def test_worker_advantages_and_another_objective_train(model_dir, tmp_path):
-    trainer, _ = train(model_dir, tmp_path, max_steps=3, objective="vespo", advantage_estimator="trl",
-                       ess_lr_rule=None)
+def assert_opob_is_vcpos(groups: list, rtol: float) -> None:
+    """Each group's W and G are vcpo's on the trainer's policy (G measured where rewards differ), and its
+    advantages ``opob_advantages(R, logW, G, group, variant="grad_only")``."""
+    varied = 0
+    for group, expected_logw, expected_G in groups:
+        torch.testing.assert_close(group.logw_G, expected_logw, rtol=0, atol=1e-5)
+        if group.rewards_G.max() > group.rewards_G.min():
+            varied += 1
+            torch.testing.assert_close(group.grad_sq_norms_G, expected_G.double(), rtol=rtol, atol=0)
+        else:
+            assert not group.grad_sq_norms_G.any()  # equal rewards: advantage 0 whatever G is, so none measured
+        expected = opob_advantages(group.rewards_G, group.logw_G, group.grad_sq_norms_G,
+                                   torch.zeros(4, dtype=torch.long), variant="grad_only")
+        torch.testing.assert_close(group.advantages_G, expected)
+    assert varied, "no group with differing rewards: nothing to compare"
+
+
+def test_another_objective_with_the_fast_norms_of_opob(model_dir, tmp_path):
+    trainer, _ = train(model_dir, tmp_path, max_steps=3, objective="vespo", grad_norm_method="fast")
     logs = step_logs(trainer)
     assert len(logs) == 3 and all(math.isfinite(line["loss"]) for line in logs)
-    assert trainer.last_opob is None and "lr_scale" not in logs[0]
+    assert_opob_is_vcpos(trainer.groups, rtol=1e-4)  # ghost norms against the exact per-row backward
+
+
+def test_the_workers_advantages_without_the_ess_learning_rate(model_dir, tmp_path):
+    trainer, _ = train(model_dir, tmp_path, max_steps=2, advantage_estimator="trl", ess_lr_rule=None)
+    logs = step_logs(trainer)
+    assert len(logs) == 2 and all(math.isfinite(line["loss"]) for line in logs)
+    assert trainer.last_opob is None and not trainer.groups and "lr_scale" not in logs[0]
 
 
 def test_reference_tree_attention_is_the_plain_forward_of_each_sample(model_dir):
