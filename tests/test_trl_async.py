@@ -3,7 +3,9 @@ vcpo's in-process rollout worker generates in a thread beside TRL's training loo
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -248,3 +250,13 @@ def test_a_bad_worker_argument_is_one_error_and_a_failed_worker_is_reported(mode
     assert isinstance(caught.value.__cause__, KeyError)
     worker.stop()
     assert not worker.is_alive() and worker.engine.version == 1  # the staged weights were applied as version 1
+
+
+def test_the_example_trains_stale_steps_at_a_cut_learning_rate():
+    path = Path(__file__).parents[1] / "examples" / "trl_async_vcpo.py"
+    spec = importlib.util.spec_from_file_location("trl_async_vcpo", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    logs = example.main(steps=3)
+    assert len(logs) == 3 and logs[0]["lr_scale"] == pytest.approx(1.0)
+    assert any(line["sample/staleness_max"] > 0 and line["lr_scale"] < 1.0 for line in logs)

@@ -192,6 +192,8 @@ class LocalRolloutWorker:
                 row = self.dataset[group_id % len(self.dataset)]
                 start = time.time()
                 samples = self.group(row, group_id)
+                if self._stopping.is_set():  # generation was cut short: not a group to train on
+                    return
                 for sample in samples:
                     self._put(sample)
                 self.metrics_queue.put({"rollout/group_s": time.time() - start})
@@ -212,7 +214,8 @@ class LocalRolloutWorker:
         """The ``num_generations`` scored samples of one prompt (``row``, a dataset row)."""
         prompt_ids = self.tokenizer(row["prompt"])["input_ids"]
         gens = self.engine.generate([prompt_ids] * self.num_generations, self.sampling,
-                                    weight_poll=self._poll_weights, generator=self.generator)
+                                    weight_poll=self._poll_weights, generator=self.generator,
+                                    stop=self._stopping.is_set)
         version = min((g.versions[0] for g in gens if g.versions), default=self.engine.version)
         completions = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
         columns = {key: [value] * len(gens) for key, value in row.items() if key != "prompt"}
