@@ -78,7 +78,7 @@ def train(model_dir, out_dir, max_steps: int, max_staleness: int = 3, **vcpo_arg
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = Dataset.from_dict({"prompt": [f"{i}+{i + 1}=" for i in range(8)]})
     worker = LocalRolloutWorker(str(model_dir), tokenizer, prompts, distinct_share, num_generations=4,
-                                max_completion_length=6, queue_maxsize=64, seed=0)
+                                max_completion_length=6, queue_maxsize=64, prompts_per_batch=2, seed=0)
     args = AsyncGRPOConfig(output_dir=str(out_dir), use_cpu=True, bf16=False, gradient_checkpointing=False,
                            report_to="none", per_device_train_batch_size=8, num_generations=4,
                            max_completion_length=6, max_steps=max_steps, learning_rate=5e-2,

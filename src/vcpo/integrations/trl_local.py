@@ -24,7 +24,7 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from trl.experimental.async_grpo.packing import TREE_ATTENTION, tree_attention
 
 from vcpo.rollout.engine import HFRolloutEngine
-from vcpo.types import SamplingParams
+from vcpo.types import Generation, SamplingParams
 from vcpo.variance import grpo_advantages
 
 RewardFunc = Callable[..., Sequence[float | None]]
@@ -99,15 +99,16 @@ class LocalRolloutWorker:
     carries the sampler's per-token log-probs (``old_log_probs``, 0 on prompt tokens) and GRPO advantages (vcpo's
     ``grpo_advantages``; 0 for an unscored row), which TRL's own loss trains on. New weights (from
     ``LocalWeightTransfer``) are applied between decode steps, as vLLM's in-flight updates are; a group's
-    ``model_version`` is the oldest version any of its tokens was sampled with. ``metrics_queue`` gets the seconds
-    each group took (``rollout/group_s``).
+    ``model_version`` is the oldest version any of its tokens was sampled with. ``prompts_per_batch`` prompts are
+    sampled together in one batch (more keep a CPU worker ahead of the trainer); ``metrics_queue`` gets the seconds
+    each batch took (``rollout/batch_s``).
     """
 
     def __init__(
         self, model: str | nn.Module, processing_class: PreTrainedTokenizerBase, train_dataset: Any,
         reward_funcs: RewardFunc | Sequence[RewardFunc], *, num_generations: int = 8,
         max_completion_length: int = 256, temperature: float = 1.0, top_p: float = 1.0, queue_maxsize: int = 64,
-        seed: int = 0,
+        prompts_per_batch: int = 1, seed: int = 0,
     ) -> None:
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, Sequence) else [reward_funcs]
         if not self.reward_funcs or not all(callable(f) for f in self.reward_funcs):
@@ -118,16 +119,17 @@ class LocalRolloutWorker:
         if bad is not None:
             raise ValueError(f"LocalRolloutWorker: prompt {bad} is not a string (conversational prompts are not "
                              "supported)")
-        if num_generations < 1 or max_completion_length < 1 or queue_maxsize < num_generations:
-            raise ValueError("LocalRolloutWorker: num_generations and max_completion_length must be >= 1 and "
-                             f"queue_maxsize >= num_generations, got {num_generations}, {max_completion_length}, "
-                             f"{queue_maxsize}")
+        if min(num_generations, max_completion_length, prompts_per_batch) < 1 or queue_maxsize < num_generations:
+            raise ValueError("LocalRolloutWorker: num_generations, max_completion_length and prompts_per_batch must "
+                             f"be >= 1 and queue_maxsize >= num_generations, got {num_generations}, "
+                             f"{max_completion_length}, {prompts_per_batch}, {queue_maxsize}")
         self.sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_completion_length)
         policy = AutoModelForCausalLM.from_pretrained(model) if isinstance(model, str) else model
         pad_id = processing_class.pad_token_id
         self.engine = HFRolloutEngine(policy, processing_class.eos_token_id,
                                       processing_class.eos_token_id if pad_id is None else pad_id)
         self.tokenizer, self.dataset, self.num_generations = processing_class, train_dataset, num_generations
+        self.prompts_per_batch = prompts_per_batch
         self.rollout_buffer: queue.Queue[RolloutSample] = queue.Queue(maxsize=queue_maxsize)
         self.metrics_queue: queue.Queue[dict[str, float]] = queue.Queue()
         self.generator = torch.Generator().manual_seed(seed)
@@ -189,16 +191,16 @@ class LocalRolloutWorker:
         try:
             group_id = 0
             while not self._stopping.is_set():
-                row = self.dataset[group_id % len(self.dataset)]
+                rows = [self.dataset[(group_id + j) % len(self.dataset)] for j in range(self.prompts_per_batch)]
                 start = time.time()
-                samples = self.group(row, group_id)
-                if self._stopping.is_set():  # generation was cut short: not a group to train on
+                groups = self.groups(rows, group_id)
+                if self._stopping.is_set():  # generation was cut short: not groups to train on
                     return
-                for sample in samples:
+                for sample in (sample for group in groups for sample in group):
                     self._put(sample)
-                self.metrics_queue.put({"rollout/group_s": time.time() - start})
+                self.metrics_queue.put({"rollout/batch_s": time.time() - start})
                 self._heartbeat = time.time()
-                group_id += 1
+                group_id += len(rows)
         except BaseException as error:  # kept for check_health, which the trainer calls while it waits
             self._error = error
 
@@ -210,12 +212,20 @@ class LocalRolloutWorker:
             except queue.Full:
                 self._heartbeat = time.time()  # waiting for the trainer is not a hang
 
-    def group(self, row: Mapping[str, Any], group_id: int) -> list[RolloutSample]:
-        """The ``num_generations`` scored samples of one prompt (``row``, a dataset row)."""
-        prompt_ids = self.tokenizer(row["prompt"])["input_ids"]
-        gens = self.engine.generate([prompt_ids] * self.num_generations, self.sampling,
+    def groups(self, rows: list[Mapping[str, Any]], first_group_id: int) -> list[list[RolloutSample]]:
+        """The ``num_generations`` scored samples of each prompt of ``rows`` (dataset rows), sampled in one batch;
+        groups numbered from ``first_group_id``."""
+        prompt_ids = [self.tokenizer(row["prompt"])["input_ids"] for row in rows]
+        gens = self.engine.generate([ids for ids in prompt_ids for _ in range(self.num_generations)], self.sampling,
                                     weight_poll=self._poll_weights, generator=self.generator,
                                     stop=self._stopping.is_set)
+        n = self.num_generations
+        return [self.scored_group(row, ids, gens[j * n: (j + 1) * n], first_group_id + j)
+                for j, (row, ids) in enumerate(zip(rows, prompt_ids, strict=True))]
+
+    def scored_group(self, row: Mapping[str, Any], prompt_ids: list[int], gens: list[Generation],
+                     group_id: int) -> list[RolloutSample]:
+        """One prompt's generations as TRL samples: rewards summed over the functions, GRPO advantages."""
         version = min((g.versions[0] for g in gens if g.versions), default=self.engine.version)
         completions = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
         columns = {key: [value] * len(gens) for key, value in row.items() if key != "prompt"}
