@@ -133,7 +133,6 @@ class LocalRolloutWorker:
         self.rollout_buffer: queue.Queue[RolloutSample] = queue.Queue(maxsize=queue_maxsize)
         self.metrics_queue: queue.Queue[dict[str, float]] = queue.Queue()
         self.generator = torch.Generator().manual_seed(seed)
-        self.live_version = 0
         self._lock = threading.Lock()
         self._staged: dict[str, Tensor] | None = None
         self._pending: tuple[int, dict[str, Tensor]] | None = None
@@ -168,7 +167,6 @@ class LocalRolloutWorker:
     def update_model_version(self, model_version: int) -> None:
         """The trainer's live version: the staged weights are applied under it at the next decode step."""
         with self._lock:
-            self.live_version = model_version
             if self._staged is not None:
                 self._pending, self._staged = (model_version, self._staged), None
 
