@@ -45,7 +45,10 @@ class Recording(VCPOAsyncGRPOTrainer):
     def opob(self, samples):
         plain = AutoModelForCausalLM.from_pretrained(self.model_dir, attn_implementation="sdpa").eval()
         plain.load_state_dict(self.accelerator.unwrap_model(self.model).state_dict())
+        previous = self.last_opob
         advantages = super().opob(samples)
+        if self.last_opob is previous:  # a group too stale for TRL's dataset, which drops it: no OPOB computed
+            return advantages
         expected_logw, expected_G = [], []
         for s in samples:
             ids = torch.as_tensor(s.input_ids)[None]

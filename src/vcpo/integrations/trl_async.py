@@ -199,7 +199,10 @@ class VCPOAsyncGRPOTrainer(AsyncGRPOTrainer):
             self.add_callback(self.ess_lr)
 
     def opob(self, samples: list[RolloutSample]) -> Tensor:
-        """[G] OPOB advantages of one group; unscored rows get 0 (``fill_unscored_rewards``)."""
+        """[G] OPOB advantages of one group; unscored rows get 0 (``fill_unscored_rewards``). A group more than
+        ``max_staleness`` versions old keeps the worker's: TRL's dataset drops it as it leaves the queue."""
+        if self.model_version - min(s.model_version for s in samples) > self.args.max_staleness:
+            return torch.tensor([s.advantage for s in samples], dtype=torch.float64)
         rewards_G = torch.tensor([s.metrics["reward"] for s in samples], dtype=torch.float64)
         group_ids_G = torch.zeros(len(samples), dtype=torch.long)
         filled_G, unscored_G = fill_unscored_rewards(rewards_G, group_ids_G)
