@@ -7,7 +7,7 @@ and scales each optimizer step's learning rate by the ESS ratio (``ESSLearningRa
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -60,6 +60,24 @@ def behaviour_logprobs(inputs: Mapping[str, Any], logprobs_BT: Tensor) -> Tensor
     if sampled_BT is None:
         return fallback_BT
     return torch.where(torch.isnan(sampled_BT), fallback_BT, sampled_BT)
+
+
+def check_vcpo_arguments(
+    objective: str, objective_kwargs: Mapping[str, Any] | None, advantage_estimator: str, opob_variant: str,
+    grad_norm_method: str,
+) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The objective and its checked hyperparameters; a ValueError naming the first bad vcpo argument."""
+    objective_fn = get_objective(objective)  # ValueError listing the names
+    kwargs = check_hyperparameters(objective, dict(objective_kwargs or {}))
+    if advantage_estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage_estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, "
+                         f"got {advantage_estimator!r}")
+    if opob_variant not in OPOB_VARIANTS:
+        raise ValueError(f"opob_variant must be one of {', '.join(OPOB_VARIANTS)}, got {opob_variant!r}")
+    if grad_norm_method not in GRAD_NORM_METHODS:
+        raise ValueError(f"grad_norm_method must be one of {', '.join(GRAD_NORM_METHODS)}, "
+                         f"got {grad_norm_method!r}")
+    return objective_fn, kwargs
 
 
 class ESSLearningRateCallback(TrainerCallback):
@@ -142,16 +160,8 @@ class VCPOGRPOTrainer(GRPOTrainer):
         advantage_estimator: str = "opob", opob_variant: str = "grad_only", grad_norm_method: str = "logit_proxy",
         ess_lr_rule: str | None = "sqrt", ess_lr_reference: float = 1.0, **kwargs: Any,
     ) -> None:
-        self.vcpo_objective = get_objective(objective)  # ValueError listing the names
-        self.vcpo_objective_kwargs = check_hyperparameters(objective, dict(objective_kwargs or {}))
-        if advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage_estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, "
-                             f"got {advantage_estimator!r}")
-        if opob_variant not in OPOB_VARIANTS:
-            raise ValueError(f"opob_variant must be one of {', '.join(OPOB_VARIANTS)}, got {opob_variant!r}")
-        if grad_norm_method not in GRAD_NORM_METHODS:
-            raise ValueError(f"grad_norm_method must be one of {', '.join(GRAD_NORM_METHODS)}, "
-                             f"got {grad_norm_method!r}")
+        self.vcpo_objective, self.vcpo_objective_kwargs = check_vcpo_arguments(
+            objective, objective_kwargs, advantage_estimator, opob_variant, grad_norm_method)
         self.advantage_estimator, self.opob_variant, self.grad_norm_method = (
             advantage_estimator, opob_variant, grad_norm_method)
         self.last_opob: OPOBBatch | None = None
@@ -314,3 +324,15 @@ class VCPOGRPOTrainer(GRPOTrainer):
         for key, value in metrics.items():
             self._metrics[mode][key].append(value)
         return out.loss / (self.current_gradient_accumulation_steps if mode == "train" else 1.0)
+
+
+ASYNC_NAMES = ("LocalRolloutWorker", "LocalWeightTransfer", "VCPOAsyncGRPOTrainer")
+"""TRL's asynchronous trainer's pieces, in vcpo.integrations.trl_async (imported on first use: it imports this)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in ASYNC_NAMES:
+        from vcpo.integrations import trl_async
+
+        return getattr(trl_async, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
