@@ -9,16 +9,29 @@ import torch
 from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.base import RolloutContext, generator_for, trajectory_from_dict, trajectory_to_dict
 from vcpo.rollout.collect import collect_groups
-from vcpo.types import Trajectory
+from vcpo.types import Trajectory, is_dropped_group
 
 
-def _generate_batch(engine, ctx: RolloutContext, index: int) -> list[Trajectory]:
+def _generate_batch(engine, ctx: RolloutContext, index: int) -> tuple[list[Trajectory], int]:
+    """Batch ``index``'s trajectories, and how many of its groups an agent task dropped (left out)."""
     P = ctx.stream.prompts_per_step
     groups = collect_groups(
         engine, ctx.tokenizer, ctx.task, ctx.stream.batch(index), list(range(index * P, (index + 1) * P)),
         ctx.group_size, ctx.sampling, generator_for(ctx.seed, index),
     )
-    return [t for g in groups for t in g]
+    kept = [g for g in groups if not is_dropped_group(g)]
+    return [t for g in kept for t in g], len(groups) - len(kept)
+
+
+def _close_task(task: Any) -> None:
+    """Stop what the task started in this process (an agent task's endpoint and runner)."""
+    close = getattr(task, "close", None)
+    if close is not None:
+        close()
+
+
+def _agent_metrics(dropped: int) -> dict[str, float]:
+    return {"agent/dropped_groups": float(dropped)} if dropped else {}
 
 
 def _at_version(engine, remote_model: torch.nn.Module | None, version: int) -> None:
@@ -44,10 +57,13 @@ class SyncSource:
         self.engine = engine
         self.ctx = ctx
         self.remote_model = remote_model
+        self.agent_dropped = 0
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         _at_version(self.engine, self.remote_model, learner_version)
-        return _generate_batch(self.engine, self.ctx, learner_version)
+        batch, dropped = _generate_batch(self.engine, self.ctx, learner_version)
+        self.agent_dropped += dropped
+        return batch
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         if self.remote_model is None:
@@ -57,7 +73,7 @@ class SyncSource:
         pass  # every token has lag 0 whatever the bound
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        return _agent_metrics(self.agent_dropped)
 
     def state(self) -> dict[str, Any]:
         return {}
@@ -66,7 +82,7 @@ class SyncSource:
         pass
 
     def close(self) -> None:
-        pass
+        _close_task(self.ctx.task)
 
 
 class LaggedSource:
@@ -92,6 +108,7 @@ class LaggedSource:
         self.pending: dict[int, list[Trajectory]] = {}
         self.dropped = 0  # groups of the batches dropped for a lowered bound
         self.adaptive = False  # set_bound was called: the drop count is reported
+        self.agent_dropped = 0
 
     def _fill(self, version: int) -> None:
         """Drop the queued batches that would lag more than k; generate every missing batch of version..version+k
@@ -102,7 +119,8 @@ class LaggedSource:
         if missing:
             _at_version(self.engine, self.remote_model, version)
         for index in missing:
-            self.pending[index] = _generate_batch(self.engine, self.ctx, index)
+            self.pending[index], dropped = _generate_batch(self.engine, self.ctx, index)
+            self.agent_dropped += dropped
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         if learner_version not in self.pending:
@@ -117,7 +135,8 @@ class LaggedSource:
         self.adaptive = True
 
     def metrics(self) -> dict[str, float]:
-        return {"staleness/dropped_over_bound": float(self.dropped)} if self.adaptive else {}
+        bound = {"staleness/dropped_over_bound": float(self.dropped)} if self.adaptive else {}
+        return bound | _agent_metrics(self.agent_dropped)
 
     def state(self) -> dict[str, Any]:
         """The queued batches by index (``"dropped"``: the drop count, when any batch was dropped)."""
@@ -129,4 +148,4 @@ class LaggedSource:
         self.pending = {int(i): [trajectory_from_dict(d) for d in b] for i, b in state.items() if i != "dropped"}
 
     def close(self) -> None:
-        pass
+        _close_task(self.ctx.task)
