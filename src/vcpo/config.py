@@ -147,7 +147,7 @@ class TaskConfig(_Strict):
             check_dataset_kwargs(self.name, self.kwargs)
         elif is_user_task(self.name):
             check_user_task(self.name, self.kwargs)
-        if is_import_path(self.reward) and (is_user_task(self.name) or self.name.startswith(("tools:", "agent:"))):
+        if is_import_path(self.reward) and (is_user_task(self.name) or self.name.startswith("tools:")):
             raise ValueError(f"task.reward={self.reward!r} scores reasoning-gym and dataset tasks; task {self.name!r} "
                              "scores its own completions")
         return self

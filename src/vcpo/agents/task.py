@@ -5,6 +5,7 @@ Light imports only: config validation uses this module; the endpoint's stack loa
 from __future__ import annotations
 
 import atexit
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from vcpo.errors import UserError
@@ -36,6 +37,10 @@ def is_agent_task_name(name: str) -> bool:
 def agent_settings(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The checked settings of agent task ``name`` (its function imported and its signature checked)."""
     path = name.removeprefix(AGENT_PREFIX)
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise AgentTaskError(f"task.name {name!r}: the agent endpoint needs {' and '.join(missing)}: "
+                             "pip install 'vcpo[agent]'")
     try:
         load_function(path, AGENT_ARGUMENTS)
     except PluginError as e:
