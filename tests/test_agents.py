@@ -74,7 +74,7 @@ def closing():
         session = task._session
         task.close()
         if session is not None and session._runner is not None:
-            assert not session._runner.process.is_alive()
+            assert not session._runner.alive()
 
 
 def test_a_multi_turn_tool_agent_trains_on_the_sampled_ids_with_tool_output_masked(closing):
@@ -285,9 +285,9 @@ def test_close_stops_the_endpoint_and_the_runner(closing):
     collect_groups(ScriptedEngine(tokenizer), tokenizer, task, [problem("p")], [0], 1, SAMPLING, torch.Generator())
     session = task._session
     runner, port = session._runner, session.server.port
-    assert runner.process.is_alive()
+    assert runner.alive()
     task.close()
-    assert not runner.process.is_alive() and not session.server._thread.is_alive()
+    assert not runner.alive() and not session.server._thread.is_alive()
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         pass
 

@@ -93,7 +93,7 @@ def _run_round(session: Any, engine: RolloutEngine, task: AgentTask, problems: l
         if not runner.alive():
             for episode_id in book.running():
                 _fail(book, task, episode_id, owner, problems, f"lost its runner process (exit code "
-                                                               f"{runner.process.exitcode})")
+                                                               f"{runner.exit_code})")
         if time.monotonic() > deadline:
             for episode_id in book.running():
                 _fail(book, task, episode_id, owner, problems,

@@ -11,8 +11,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from vcpo.types import Generation
-
 RUNNING, DONE, DROPPED = "running", "done", "dropped"
 
 
@@ -142,8 +140,3 @@ class EpisodeBook:
             for i in episode_ids:
                 self._episodes.pop(i, None)
 
-
-def answered(generation: Generation) -> tuple[list[int], list[float], list[int], bool]:
-    """A generation's ids, log-probs, versions and whether it ended with EOS, as plain lists."""
-    return (list(generation.response_ids), list(generation.behavior_logprobs), list(generation.versions),
-            generation.finished)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-import multiprocessing as mp
 import os
+import subprocess
+import sys
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
@@ -72,17 +73,22 @@ def runner_main(agent_path: str, parent_pid: int, jobs: Connection, results: Con
 
 
 class AgentRunner:
-    """The parent's handle on the runner process: send episodes, read their outcomes, stop it."""
+    """The parent's handle on the runner process: send episodes, read their outcomes, stop it.
+
+    A plain subprocess, not a multiprocessing child: an async rollout worker is a daemonic process, which may not
+    start those. Jobs and outcomes travel as pickles over two pipes of their own (the agent's stdout stays free)."""
 
     def __init__(self, agent_path: str) -> None:
-        ctx = mp.get_context("spawn")  # a fork would copy the trainer's threads and locks mid-flight
-        job_reader, self._jobs = ctx.Pipe(duplex=False)
-        self.results, result_writer = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=runner_main, args=(agent_path, os.getpid(), job_reader, result_writer),
-                                   daemon=True, name="vcpo-agent-runner")
-        self.process.start()
-        job_reader.close()  # the child holds the only other ends: its death reads as end-of-file here
-        result_writer.close()
+        job_read, job_write = os.pipe()
+        result_read, result_write = os.pipe()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the parent's imports
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "vcpo.agents.runner", agent_path, str(os.getpid()), str(job_read),
+             str(result_write)], pass_fds=(job_read, result_write), env=env, stdin=subprocess.DEVNULL)
+        os.close(job_read)  # the child holds the only other ends: its death reads as end-of-file here
+        os.close(result_write)
+        self._jobs = Connection(job_write, readable=False)
+        self.results = Connection(result_read, writable=False)
         ready = self.results.poll(START_TIMEOUT_S) and self._first_message()
         if ready != ("*", "ready", None):
             self.close()
@@ -109,13 +115,23 @@ class AgentRunner:
         return out
 
     def alive(self) -> bool:
-        return self.process.is_alive()
+        return self.process.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.poll()
 
     def close(self) -> None:
         """Stop the runner and every agent thread in it (a closed job pipe ends it; a kill if it does not)."""
         self._jobs.close()
-        self.process.join(_JOIN_S)
-        if self.process.is_alive():
+        try:
+            self.process.wait(_JOIN_S)
+        except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.join(_JOIN_S)
+            self.process.wait(_JOIN_S)
         self.results.close()
+
+
+if __name__ == "__main__":
+    runner_main(sys.argv[1], int(sys.argv[2]), Connection(int(sys.argv[3]), writable=False),
+                Connection(int(sys.argv[4]), readable=False))
