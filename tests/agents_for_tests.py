@@ -58,6 +58,17 @@ def sum_agent(base_url: str, model: str, problem: Problem) -> float:
     return float(first.strip() == problem.answer or second.strip() == problem.answer)
 
 
+def picky_agent(base_url: str, model: str, problem: Problem) -> float:
+    """``sum_agent``, except that it raises on problems whose answer is 11."""
+    if problem.answer == "11":
+        raise ValueError("eleven is not my number")
+    return sum_agent(base_url, model, problem)
+
+
+def broken_agent(base_url: str, model: str, problem: Problem) -> float:
+    raise RuntimeError("this agent always fails")
+
+
 def scripted_agent(base_url: str, model: str, problem: Problem) -> float:
     """``ok``: one call; ``raise``: raises; ``hang``: sleeps past any test's timeout; ``silent``: never calls;
     ``late``: calls, returns, then calls again 0.3 s later from a thread, writing the status it got to

@@ -8,9 +8,9 @@ import pytest
 
 from conftest import metrics, vcpo
 
-AGENT = ["task.name=agent:tests.agents_for_tests:sum_agent",
-         "task.kwargs={problems: chain_sum, problem_kwargs: {min_terms: 2, max_terms: 2, min_digits: 1, "
-         "max_digits: 1}}"]
+PROBLEMS = ("task.kwargs={problems: chain_sum, problem_kwargs: {min_terms: 2, max_terms: 2, min_digits: 1, "
+         "max_digits: 1}}")
+AGENT = ["task.name=agent:tests.agents_for_tests:sum_agent", PROBLEMS]
 
 
 @pytest.fixture(scope="module")
@@ -33,3 +33,19 @@ def test_an_openai_agent_trains_a_few_steps_in_every_mode(tmp_path, tiny, mode):
         assert m["staleness/max"] <= 1
         assert "agent/dropped_groups" not in m
     assert "eval/accuracy" in lines[-1]
+
+
+def test_failing_agents_drop_their_groups_count_them_and_a_batch_of_none_stops_the_run(tmp_path, tiny):
+    # seed 0's first batches (2 prompts each): answers (-4, 11), (11, 7), (-3, 3); picky_agent raises on 11
+    run = tmp_path / "picky"
+    proc = vcpo("train", *tiny, "task.name=agent:tests.agents_for_tests:picky_agent", PROBLEMS, f"run_dir={run}",
+                "async.mode=sync")
+    lines = metrics(run)
+    assert [m["batch/groups"] for m in lines] == [1, 1, 2]
+    assert [m["agent/dropped_groups"] for m in lines] == [1, 2, 2]
+    failures = [line for line in proc.stderr.splitlines() if "raised ValueError: eleven is not my number" in line]
+    assert len(failures) == 4  # two episodes in each of two groups, one line each
+    broken = vcpo("train", *tiny, "task.name=agent:tests.agents_for_tests:broken_agent", PROBLEMS,
+                  f"run_dir={tmp_path / 'broken'}", "async.mode=sync", check=False)
+    assert broken.returncode == 1
+    assert "every group of batch 0 was dropped by the agent task" in broken.stderr

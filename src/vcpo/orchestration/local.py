@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from vcpo.errors import RunFailed
 from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.base import RolloutContext, generator_for, trajectory_from_dict, trajectory_to_dict
 from vcpo.rollout.collect import collect_groups
@@ -20,6 +21,9 @@ def _generate_batch(engine, ctx: RolloutContext, index: int) -> tuple[list[Traje
         ctx.group_size, ctx.sampling, generator_for(ctx.seed, index),
     )
     kept = [g for g in groups if not is_dropped_group(g)]
+    if not kept:
+        raise RunFailed(f"every group of batch {index} was dropped by the agent task (the lines above say why; "
+                        "task.kwargs.agent_retries runs a failed group again)")
     return [t for g in kept for t in g], len(groups) - len(kept)
 
 
