@@ -72,7 +72,8 @@ def broken_agent(base_url: str, model: str, problem: Problem) -> float:
 def scripted_agent(base_url: str, model: str, problem: Problem) -> float:
     """``ok``: one call; ``raise``: raises; ``hang``: sleeps past any test's timeout; ``silent``: never calls;
     ``late``: calls, returns, then calls again 0.3 s later from a thread, writing the status it got to
-    ``problem.metadata["log"]``; ``slow``: sleeps 1.5 s, then calls."""
+    ``problem.metadata["log"]``; ``late_raise``: the same, but raises instead of returning; ``slow``: sleeps 3 s,
+    then calls."""
     behavior = problem.metadata["behavior"]
     client = _client(base_url)
     if behavior == "raise":
@@ -82,9 +83,9 @@ def scripted_agent(base_url: str, model: str, problem: Problem) -> float:
     if behavior == "silent":
         return 1.0
     if behavior == "slow":
-        time.sleep(1.5)
+        time.sleep(3)
     client.completions.create(model=model, prompt=problem.prompt)
-    if behavior == "late":
+    if behavior in ("late", "late_raise"):
         def again() -> None:
             time.sleep(0.3)
             try:
@@ -95,4 +96,6 @@ def scripted_agent(base_url: str, model: str, problem: Problem) -> float:
             Path(problem.metadata["log"]).write_text(status)
 
         threading.Thread(target=again).start()
+    if behavior == "late_raise":
+        raise RuntimeError("gave up")
     return 1.0

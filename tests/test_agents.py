@@ -267,15 +267,17 @@ def test_a_failing_agent_drops_its_group_with_one_line_and_nothing_left_running(
         assert task._session._runner is None
 
 
-def test_a_call_after_the_episode_returned_is_refused_and_drops_the_group(closing, tmp_path):
+@pytest.mark.parametrize("behavior, refusal", [("late", "already returned"),
+                                               ("late_raise", "was dropped: raised RuntimeError: gave up")])
+def test_a_call_after_the_episode_ended_is_refused_and_drops_the_group(closing, tmp_path, behavior, refusal):
     tokenizer = chat_tokenizer()
     task = agent_task("scripted_agent", agent_timeout_s=20)
     closing.append(task)
     log = tmp_path / "late.txt"
-    problems = [problem("late", behavior="late", log=str(log)), problem("slow", behavior="slow")]
+    problems = [problem("late", behavior=behavior, log=str(log)), problem("slow", behavior="slow")]
     groups = collect_groups(ScriptedEngine(tokenizer), tokenizer, task, problems, [0, 1], 1, SAMPLING,
                             torch.Generator())
-    assert log.read_text().startswith("410 ") and "already returned" in log.read_text()
+    assert log.read_text().startswith("410 ") and refusal in log.read_text()
     assert is_dropped_group(groups[0]) and not is_dropped_group(groups[1])
 
 

@@ -82,8 +82,8 @@ def problem_task_config(config: TaskConfig) -> TaskConfig:
 class AgentTask:
     """An agent function trained through the run's OpenAI-compatible endpoint (a :class:`~vcpo.tasks.base.Task`).
 
-    ``problems``, ``reward`` and ``score`` are the problem task's: held-out evaluation scores the policy's greedy
-    completions of its prompts, as for that task (the agent runs only in training rollouts). Rollouts go through
+    ``problems``, ``reward`` and ``score`` are the problem task's (``base``), and so are held-out evaluation and the
+    warm start (``vcpo.train.evaluate``, ``vcpo.train.sft``): the agent runs only in training rollouts, which go through
     :func:`vcpo.agents.collect.collect_agent_groups`, which the agent's endpoint and runner process serve; both
     start with the first collection and stop with :meth:`close` (or at exit).
     """
