@@ -74,12 +74,14 @@ def _run_round(session: Any, engine: RolloutEngine, task: AgentTask, problems: l
     for episode_id, j in owner.items():
         runner.start(episode_id, session.server.base_url(episode_id), task.served_model, problems[j])
     rewards: dict[str, float] = {}
+    reported: set[str] = set()  # episodes whose agent returned or raised (its thread is done)
     deadline = time.monotonic() + task.timeout_s
     while running := book.running():
         calls = book.take(BATCH_WAIT_S, expected=len(running))
         if calls:
             _answer(engine, calls, sampling, generator, weight_poll)
         for episode_id, kind, value in runner.outcomes(0.0):
+            reported.add(episode_id)
             episode = book.episode(episode_id)
             if episode is None or episode.state != "running":
                 continue
@@ -98,7 +100,7 @@ def _run_round(session: Any, engine: RolloutEngine, task: AgentTask, problems: l
             for episode_id in book.running():
                 _fail(book, task, episode_id, owner, problems,
                       f"timed out after task.kwargs.agent_timeout_s={task.timeout_s:g} s")
-    if len(rewards) < len(owner):  # agents that did not return may still run: none outlives the collection
+    if len(reported) < len(owner):  # agents that did not return may still run: none outlives the collection
         session.stop_runner()
     out: dict[int, list[tuple[Episode, float]]] = {j: [] for j in todo}
     for episode_id, j in owner.items():
