@@ -17,7 +17,7 @@ from vcpo.config import TaskConfig
 from vcpo.models.default import BASE_CHARACTERS, build_char_tokenizer
 from vcpo.rollout.collect import collect_groups
 from vcpo.rollout.engine import HFRolloutEngine
-from vcpo.types import DROPPED_STATUS, Generation, Problem, SamplingParams, is_dropped_group
+from vcpo.types import DROPPED_STATUS, Generation, Problem, SamplingParams, Trajectory, is_dropped_group
 
 from conftest import CHAT_TEMPLATE
 
@@ -335,3 +335,26 @@ def test_an_agent_on_a_vcpo_serve_engine_is_trained_on_the_context_the_server_sa
                                                     strict=True)):
             if m:
                 assert abs(float(logp[P + i - 1, token]) - sampled) < 1e-4
+
+
+def test_sync_and_lagged_sources_leave_dropped_groups_out_count_them_and_stop_on_a_batch_of_none(monkeypatch):
+    from vcpo.errors import RunFailed
+    from vcpo.orchestration import local
+
+    def row(group_id: int, status: str = "ok") -> Trajectory:
+        return Trajectory("p", group_id, [1], [2], [-0.1], [0], 1.0, True, SAMPLING, reward_status=status)
+
+    batches = {0: [row(0), row(0), row(1, DROPPED_STATUS)], 1: [row(2, DROPPED_STATUS), row(3)],
+               2: [row(4, DROPPED_STATUS)]}
+    monkeypatch.setattr(local, "_generate_batch", lambda engine, ctx, index: batches.get(index, [row(9)]))
+
+    class Engine:
+        version = 0
+
+    for source in (local.SyncSource(Engine(), None), local.LaggedSource(Engine(), None, max_staleness=1)):
+        assert [t.group_id for t in source.next_batch(0)] == [0, 0]
+        assert source.metrics()["agent/dropped_groups"] == 1.0
+        assert [t.group_id for t in source.next_batch(1)] == [3]
+        assert source.metrics()["agent/dropped_groups"] == 2.0
+        with pytest.raises(RunFailed, match="every group of batch 2 was dropped by the agent task"):
+            source.next_batch(2)

@@ -10,21 +10,25 @@ from vcpo.errors import RunFailed
 from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.base import RolloutContext, generator_for, trajectory_from_dict, trajectory_to_dict
 from vcpo.rollout.collect import collect_groups
-from vcpo.types import Trajectory, is_dropped_group
+from vcpo.types import DROPPED_STATUS, Trajectory
 
 
-def _generate_batch(engine, ctx: RolloutContext, index: int) -> tuple[list[Trajectory], int]:
-    """Batch ``index``'s trajectories, and how many of its groups an agent task dropped (left out)."""
+def _generate_batch(engine, ctx: RolloutContext, index: int) -> list[Trajectory]:
     P = ctx.stream.prompts_per_step
     groups = collect_groups(
         engine, ctx.tokenizer, ctx.task, ctx.stream.batch(index), list(range(index * P, (index + 1) * P)),
         ctx.group_size, ctx.sampling, generator_for(ctx.seed, index),
     )
-    kept = [g for g in groups if not is_dropped_group(g)]
-    if not kept:
+    return [t for g in groups for t in g]
+
+
+def _without_dropped(batch: list[Trajectory], index: int) -> tuple[list[Trajectory], int]:
+    """The batch to train on, without the markers of groups an agent task dropped, and how many there were."""
+    kept = [t for t in batch if t.reward_status != DROPPED_STATUS]
+    if batch and not kept:
         raise RunFailed(f"every group of batch {index} was dropped by the agent task (the lines above say why; "
                         "task.kwargs.agent_retries runs a failed group again)")
-    return [t for g in kept for t in g], len(groups) - len(kept)
+    return kept, len(batch) - len(kept)
 
 
 def _close_task(task: Any) -> None:
@@ -65,7 +69,7 @@ class SyncSource:
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         _at_version(self.engine, self.remote_model, learner_version)
-        batch, dropped = _generate_batch(self.engine, self.ctx, learner_version)
+        batch, dropped = _without_dropped(_generate_batch(self.engine, self.ctx, learner_version), learner_version)
         self.agent_dropped += dropped
         return batch
 
@@ -123,13 +127,14 @@ class LaggedSource:
         if missing:
             _at_version(self.engine, self.remote_model, version)
         for index in missing:
-            self.pending[index], dropped = _generate_batch(self.engine, self.ctx, index)
-            self.agent_dropped += dropped
+            self.pending[index] = _generate_batch(self.engine, self.ctx, index)
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         if learner_version not in self.pending:
             self._fill(learner_version)
-        return self.pending.pop(learner_version)
+        batch, dropped = _without_dropped(self.pending.pop(learner_version), learner_version)
+        self.agent_dropped += dropped
+        return batch
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         self._fill(version)
