@@ -6,10 +6,11 @@ from typing import Any
 
 import torch
 
+from vcpo.errors import RunFailed
 from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.base import RolloutContext, generator_for, trajectory_from_dict, trajectory_to_dict
 from vcpo.rollout.collect import collect_groups
-from vcpo.types import Trajectory
+from vcpo.types import DROPPED_STATUS, Trajectory
 
 
 def _generate_batch(engine, ctx: RolloutContext, index: int) -> list[Trajectory]:
@@ -19,6 +20,26 @@ def _generate_batch(engine, ctx: RolloutContext, index: int) -> list[Trajectory]
         ctx.group_size, ctx.sampling, generator_for(ctx.seed, index),
     )
     return [t for g in groups for t in g]
+
+
+def _without_dropped(batch: list[Trajectory], index: int) -> tuple[list[Trajectory], int]:
+    """The batch to train on, without the markers of groups an agent task dropped, and how many there were."""
+    kept = [t for t in batch if t.reward_status != DROPPED_STATUS]
+    if batch and not kept:
+        raise RunFailed(f"every group of batch {index} was dropped by the agent task (the lines above say why; "
+                        "task.kwargs.agent_retries runs a failed group again)")
+    return kept, len(batch) - len(kept)
+
+
+def _close_task(task: Any) -> None:
+    """Stop what the task started in this process (an agent task's endpoint and runner)."""
+    close = getattr(task, "close", None)
+    if close is not None:
+        close()
+
+
+def _agent_metrics(dropped: int) -> dict[str, float]:
+    return {"agent/dropped_groups": float(dropped)} if dropped else {}
 
 
 def _at_version(engine, remote_model: torch.nn.Module | None, version: int) -> None:
@@ -44,10 +65,13 @@ class SyncSource:
         self.engine = engine
         self.ctx = ctx
         self.remote_model = remote_model
+        self.agent_dropped = 0
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         _at_version(self.engine, self.remote_model, learner_version)
-        return _generate_batch(self.engine, self.ctx, learner_version)
+        batch, dropped = _without_dropped(_generate_batch(self.engine, self.ctx, learner_version), learner_version)
+        self.agent_dropped += dropped
+        return batch
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         if self.remote_model is None:
@@ -57,7 +81,7 @@ class SyncSource:
         pass  # every token has lag 0 whatever the bound
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        return _agent_metrics(self.agent_dropped)
 
     def state(self) -> dict[str, Any]:
         return {}
@@ -66,7 +90,7 @@ class SyncSource:
         pass
 
     def close(self) -> None:
-        pass
+        _close_task(self.ctx.task)
 
 
 class LaggedSource:
@@ -92,6 +116,7 @@ class LaggedSource:
         self.pending: dict[int, list[Trajectory]] = {}
         self.dropped = 0  # groups of the batches dropped for a lowered bound
         self.adaptive = False  # set_bound was called: the drop count is reported
+        self.agent_dropped = 0
 
     def _fill(self, version: int) -> None:
         """Drop the queued batches that would lag more than k; generate every missing batch of version..version+k
@@ -107,7 +132,9 @@ class LaggedSource:
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         if learner_version not in self.pending:
             self._fill(learner_version)
-        return self.pending.pop(learner_version)
+        batch, dropped = _without_dropped(self.pending.pop(learner_version), learner_version)
+        self.agent_dropped += dropped
+        return batch
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         self._fill(version)
@@ -117,7 +144,8 @@ class LaggedSource:
         self.adaptive = True
 
     def metrics(self) -> dict[str, float]:
-        return {"staleness/dropped_over_bound": float(self.dropped)} if self.adaptive else {}
+        bound = {"staleness/dropped_over_bound": float(self.dropped)} if self.adaptive else {}
+        return bound | _agent_metrics(self.agent_dropped)
 
     def state(self) -> dict[str, Any]:
         """The queued batches by index (``"dropped"``: the drop count, when any batch was dropped)."""
@@ -129,4 +157,4 @@ class LaggedSource:
         self.pending = {int(i): [trajectory_from_dict(d) for d in b] for i, b in state.items() if i != "dropped"}
 
     def close(self) -> None:
-        pass
+        _close_task(self.ctx.task)

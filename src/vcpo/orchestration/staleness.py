@@ -13,7 +13,7 @@ import math
 import threading
 from dataclasses import dataclass
 
-from vcpo.types import Trajectory
+from vcpo.types import Trajectory, is_dropped_group
 
 
 @dataclass
@@ -21,6 +21,7 @@ class StalenessStats:
     admitted: int = 0
     dropped_over_bound: int = 0
     dropped_alpha: int = 0
+    dropped_agent: int = 0  # groups an agent task dropped (vcpo.agents.collect)
 
 
 class StalenessController:
@@ -58,7 +59,8 @@ class StalenessController:
             return self._version
 
     def _net(self) -> int:
-        return self.stats.admitted - self.stats.dropped_over_bound - self.stats.dropped_alpha
+        return (self.stats.admitted - self.stats.dropped_over_bound - self.stats.dropped_alpha
+                - self.stats.dropped_agent)
 
     def set_bound(self, k: int) -> None:
         """Change k live (``async.max_staleness: auto``): admission uses the new k at once, so lowering it holds new
@@ -78,12 +80,14 @@ class StalenessController:
         """Whether a finished group may enter the batch trained at ``learner_version``.
 
         Drops (and frees admission capacity for) a group whose oldest token lags more than k, or
-        whose creation lags more than ceil(alpha) steps when ROLL Flash's alpha is set.
+        whose creation lags more than ceil(alpha) steps when ROLL Flash's alpha is set, or that an agent task dropped.
         """
         oldest = min(t.min_version for t in group)
         lag = learner_version - oldest
         with self._cond:
-            if lag > self.k:
+            if is_dropped_group(group):
+                self.stats.dropped_agent += 1
+            elif lag > self.k:
                 self.stats.dropped_over_bound += 1
             elif self.alpha is not None and lag > math.ceil(self.alpha):
                 self.stats.dropped_alpha += 1
