@@ -51,7 +51,7 @@ lock:
 	rm -rf .lockenv && $(PYTHON) -m venv .lockenv && .lockenv/bin/pip install --quiet pip-tools==7.6.2
 	.lockenv/bin/pip-compile --quiet --strip-extras --no-emit-index-url --no-emit-find-links --find-links /opt/wheels \
 		-c requirements/torch.txt --unsafe-package torch --unsafe-package vcpo --extra dev --extra ray --extra serve --extra parquet \
-		--extra lora --extra tensorboard --extra wandb --extra mlflow --extra trackio --extra trl -o $(LOCK) pyproject.toml
+		--extra lora --extra agent --extra tensorboard --extra wandb --extra mlflow --extra trackio --extra trl -o $(LOCK) pyproject.toml
 	rm -rf .lockenv
 
 # The tier against a real vLLM (tests/with_vllm, docs/server.md): its own environment with the pinned CPU build of vLLM.
