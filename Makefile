@@ -51,7 +51,7 @@ lock:
 	rm -rf .lockenv && $(PYTHON) -m venv .lockenv && .lockenv/bin/pip install --quiet pip-tools==7.6.2
 	.lockenv/bin/pip-compile --quiet --strip-extras --no-emit-index-url --no-emit-find-links --find-links /opt/wheels \
 		-c requirements/torch.txt --unsafe-package torch --unsafe-package vcpo --extra dev --extra ray --extra serve --extra parquet \
-		--extra lora --extra tensorboard --extra wandb --extra mlflow --extra trackio --extra trl -o $(LOCK) pyproject.toml
+		--extra lora --extra agent --extra tensorboard --extra wandb --extra mlflow --extra trackio --extra trl -o $(LOCK) pyproject.toml
 	rm -rf .lockenv
 
 # The tier against a real vLLM (tests/with_vllm, docs/server.md): its own environment with the pinned CPU build of vLLM.
@@ -85,9 +85,9 @@ test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/pytest -p no:cacheprovider tests/with_vllm
 
 # The tier against a real verl (tests/with_verl, docs/integrations.md): its own environment, since verl 0.9.1 pins
-# transformers >=5.5.3,<5.11 where requirements/lock.txt has 5.24. The CPU build of torch first; on the CPU only
-# verl.trainer.ppo.core_algos and DataProto are used. Every version pinned by requirements/verl-lock.txt
-# (`make lock-verl` re-resolves it).
+# transformers >=5.5.3,<5.11 where requirements/lock.txt has 5.24. The CPU build of torch first; on the CPU the tier
+# runs verl's FSDP2 engine (one gloo rank) and core_algos, no trainer or rollout. Every version pinned by
+# requirements/verl-lock.txt (`make lock-verl` re-resolves it).
 VERL_VENV := .venv-verl
 VERL_STAMP := $(VERL_VENV)/.installed
 VERL_LOCK := requirements/verl-lock.txt

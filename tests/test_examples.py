@@ -71,6 +71,17 @@ def test_custom_multiturn_environment_runs_episodes_in_the_async_workers(tiny, t
     assert "eval/accuracy" in lines[-1]
 
 
+def test_openai_agent_runs_its_episodes_through_the_endpoint_in_the_async_workers(tiny, tmp_path):
+    run = tmp_path / "run"
+    train_example("openai_agent", *tiny, f"run_dir={run}", "trainer.max_steps=2", "rollout.max_new_tokens=24",
+                  "trainer.eval_every=2", "task.eval_size=4")
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        assert m["batch/groups"] == 4 and "agent/dropped_groups" not in m
+        assert m["tools/turns_mean"] >= 1.0 and 0.0 <= m["reward/mean"] <= 1.0  # the agent's calls per episode
+    assert "eval/accuracy" in lines[-1]  # the native tool task's greedy episodes
+
 
 def test_own_loop_uses_stale_behaviour_log_probs_opob_and_the_ess_learning_rate():
     spec = importlib.util.spec_from_file_location("own_loop", EXAMPLES / "own_loop.py")

@@ -9,11 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 from torch import nn
 
 from vcpo.variance import ghost_layers, token_logprobs, trajectory_grad_sq_norms
 from vcpo.variance.ghost_norms import per_row_grad_capture
+
+from conftest import run_ranks
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 # Row 0 full; row 1 right-padded by 2; row 2 left-padded by 1. response_mask[:, 0] = 1 must be ignored.
@@ -238,6 +241,40 @@ def test_hand_built_model_with_a_module_called_twice():
 def test_unaccounted_use_raises(misuse, pattern):
     with pytest.raises(NotImplementedError, match=pattern):
         trajectory_grad_sq_norms(HandBuiltLM(misuse), INPUT_IDS, RESPONSE, method="fast")
+
+
+def _sharded_norms(rank: int, world_size: int, port: int, results: str) -> None:
+    """One FSDP2 rank: each HandBuiltLM's fast norms (or the refusal), the model sharded as one unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    from vcpo.train.data_parallel import init_process_group
+
+    torch.set_num_threads(1)
+    init_process_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
+    try:
+        out = {}
+        for misuse in ("", "functional_tie"):
+            model = HandBuiltLM(misuse)
+            fully_shard(model)
+            try:
+                out[misuse] = trajectory_grad_sq_norms(model, INPUT_IDS, RESPONSE, method="fast")
+            except NotImplementedError as error:
+                out[misuse] = str(error)
+        torch.save(out, results)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unaccounted_use_raises_under_fsdp2_too(tmp_path):
+    """Under FSDP2 the graph holds the unsharded copies of the parameters, not the sharded ones the plan knows: the
+    guard matches them through what each module held during its call (one gloo rank)."""
+    results = str(tmp_path / "rank0.pt")
+    run_ranks(_sharded_norms, 1, results)
+    out = torch.load(results)
+    exact = trajectory_grad_sq_norms(HandBuiltLM(), INPUT_IDS, RESPONSE, method="exact")
+    assert rel_err(out[""], exact) < 1e-9
+    assert out["functional_tie"] == ("fast grad norms: parameter 'embed.weight' is used outside the modules that "
+                                     "own it; use method='exact'")
 
 
 class ShiftedRMSNorm(nn.Module):

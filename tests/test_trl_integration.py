@@ -56,6 +56,7 @@ class Recording(VCPOGRPOTrainer):
             with torch.no_grad():
                 lp, _, collision = token_logprobs(model, ids, attention, self.temperature, return_collision=True)
             self.expected_G = logit_proxy_grad_sq_norms(lp, collision, response, self.temperature)
+            self.policy_lp = lp[:, batch["prompt_ids"].shape[1]:]
         model.train()
         return super().opob(batch, rewards_N, unscorable_N, group_ids_N)
 
@@ -69,18 +70,25 @@ def model_dir(tmp_path_factory):
     return save_tiny_policy(tmp_path_factory.mktemp("trl") / "tiny")
 
 
-def train(model_dir, out_dir, max_steps: int, **vcpo_args) -> Recording:
+def make_trainer(model_dir, out_dir, max_steps: int, config: dict | None = None, **vcpo_args) -> Recording:
+    """The tiny trainer; ``config`` overrides GRPOConfig's arguments, ``vcpo_args`` go to VCPOGRPOTrainer."""
     torch.manual_seed(0)
-    args = GRPOConfig(output_dir=str(out_dir), use_cpu=True, report_to="none", per_device_train_batch_size=4,
-                      num_generations=4, steps_per_generation=2, gradient_accumulation_steps=1,
-                      max_completion_length=6, max_steps=max_steps, learning_rate=5e-2, logging_steps=1,
-                      save_strategy="no", seed=0, temperature=1.0, disable_tqdm=True)
+    settings = {"per_device_train_batch_size": 4, "num_generations": 4, "steps_per_generation": 2,
+                "gradient_accumulation_steps": 1, "max_completion_length": 6, "learning_rate": 5e-2, "seed": 0,
+                "temperature": 1.0} | (config or {})
+    args = GRPOConfig(output_dir=str(out_dir), use_cpu=True, report_to="none", max_steps=max_steps, logging_steps=1,
+                      save_strategy="no", disable_tqdm=True, **settings)
     recorder = AppliedLearningRate()
     trainer = Recording(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=digit_share, args=args,
                         processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[recorder],
                         train_dataset=Dataset.from_dict({"prompt": [f"{i}+{i + 1}=" for i in range(8)]}),
                         **vcpo_args)
     trainer.seen_advantages, trainer.applied_lr = [], recorder.applied
+    return trainer
+
+
+def train(model_dir, out_dir, max_steps: int, config: dict | None = None, **vcpo_args) -> Recording:
+    trainer = make_trainer(model_dir, out_dir, max_steps, config, **vcpo_args)
     trainer.train()
     return trainer
 
@@ -162,3 +170,57 @@ def test_ess_callback_rejects_a_bad_rule_and_leaves_a_step_without_log_weights_a
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     callback.on_pre_optimizer_step(None, None, None, optimizer=optimizer)
     assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+DIGITS = list("0123456789")
+
+
+def digit_generator(prompts: list, trainer) -> dict:
+    """A ``rollout_func`` that is not the trainer's policy: 6 digits drawn uniformly per completion, with its own
+    log-probs (log 1/10 per token), as a vLLM server or an agent framework would return them."""
+    tokenizer = trainer.processing_class
+    digit_ids = tokenizer.convert_tokens_to_ids(DIGITS)
+    g = torch.Generator().manual_seed(trainer.state.global_step)
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    completions = [[digit_ids[int(i)] for i in torch.randint(0, 10, (6,), generator=g)] for _ in prompts]
+    return {"prompt_ids": prompt_ids, "completion_ids": completions,
+            "logprobs": [[-math.log(10.0)] * 6 for _ in prompts]}
+
+
+def test_opob_takes_w_from_a_generators_own_log_probs_when_trl_kept_no_old_ones(model_dir, tmp_path):
+    """A rollout_func returns its own log-probs, and each batch is used for one step (steps_per_generation =
+    gradient_accumulation_steps): TRL keeps sampling_per_token_logps but no old_per_token_logps. W is the trainer's
+    policy over the generator's, far from 1; OPOB's plugin variant must see it, as the objective does."""
+    trainer = train(model_dir, tmp_path, max_steps=1, config={"steps_per_generation": 1}, rollout_func=digit_generator,
+                    opob_variant="plugin")
+    batch = trainer.last_opob
+    completion_mask = batch.response_mask_BS[:, -6:]
+    expected = ((trainer.policy_lp.double() + math.log(10.0)) * completion_mask).sum(1)
+    assert expected.abs().min() > 1.0  # the generator is far from the policy
+    torch.testing.assert_close(batch.logw_N, expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(batch.advantages_N, opob_advantages(batch.rewards_N, batch.logw_N, batch.grad_sq_norms_N,
+                                                                   batch.group_ids_N, variant="plugin"))
+
+
+def test_trls_loss_options_that_do_nothing_get_one_warning(model_dir, tmp_path):
+    with pytest.warns(UserWarning, match=r"ignores loss_type='grpo', epsilon=0.3, delta=1.5: the vcpo objective "
+                                         r"'vcpo' replaces TRL's loss") as caught:
+        make_trainer(model_dir, tmp_path, max_steps=1, config={"loss_type": "grpo", "epsilon": 0.3, "delta": 1.5})
+    assert sum("ignores" in str(w.message) for w in caught) == 1
+
+
+def test_ess_learning_rate_with_deepspeed_is_refused(model_dir, tmp_path, monkeypatch):
+    """accelerate takes DeepSpeed's optimizer step inside backward(): the callback's scale would act on a no-op
+    optimizer.step(). DeepSpeed is not installed here, so the test sets the flag Trainer derives from accelerate's
+    DeepSpeed plugin, where Trainer sets it."""
+    from transformers import Trainer
+
+    create = Trainer.create_accelerator_and_postprocess
+
+    def as_deepspeed(self):
+        create(self)
+        self.is_deepspeed_enabled = True
+
+    monkeypatch.setattr(Trainer, "create_accelerator_and_postprocess", as_deepspeed)
+    with pytest.raises(ValueError, match="ess_lr_rule with DeepSpeed"):
+        make_trainer(model_dir, tmp_path, max_steps=1)

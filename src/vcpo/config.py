@@ -79,14 +79,17 @@ class TaskConfig(_Strict):
 
     name: str = "chain_sum"
     """A reasoning-gym dataset name, ``jsonl`` / ``parquet`` for a local dataset file (docs/datasets.md),
-    ``tools:<dataset>`` for its multi-turn tool task (docs/tools.md), or ``module.sub:Name``: your own task or
-    multi-turn environment, a class or factory called with ``kwargs`` (docs/extending.md)."""
+    ``tools:<dataset>`` for its multi-turn tool task (docs/tools.md), ``agent:<module>:<function>`` for an agent
+    written for the OpenAI API (docs/agents.md), or ``module.sub:Name``: your own task or multi-turn environment, a
+    class or factory called with ``kwargs`` (docs/extending.md)."""
     kwargs: dict[str, Any] = Field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
     )
     """The task's own settings (the default is chain_sum's; another task named without kwargs gets none): the
     reasoning-gym dataset config (e.g. digit counts); for ``jsonl`` / ``parquet``: ``path`` (or ``train_path`` and
-    ``eval_path``), ``prompt_field``, ``answer_field``, ``answer_format``, ``eval_fraction``."""
+    ``eval_path``), ``prompt_field``, ``answer_field``, ``answer_format``, ``eval_fraction``; for ``agent:...``:
+    ``problems`` (the task its problems come from), ``problem_kwargs`` (that task's kwargs), ``agent_timeout_s``,
+    ``agent_retries``, ``rows`` and ``served_model`` (docs/agents.md)."""
     prompt_format: Literal["raw", "chat"] = "raw"
     """``raw``: the prompt text as is; ``chat``: the tokenizer's chat template (an error when it has none)."""
     system_prompt: str | None = None
@@ -135,7 +138,12 @@ class TaskConfig(_Strict):
         from vcpo.tasks.records import DATASET_TASKS, check_dataset_kwargs
         from vcpo.tasks.user_task import check_user_task, is_user_task
 
-        if self.name in DATASET_TASKS:
+        if self.name.startswith("agent:"):
+            from vcpo.agents.task import agent_settings, problem_task_config
+
+            agent_settings(self.name, self.kwargs)
+            problem_task_config(self)  # the problem task's own checks
+        elif self.name in DATASET_TASKS:
             check_dataset_kwargs(self.name, self.kwargs)
         elif is_user_task(self.name):
             check_user_task(self.name, self.kwargs)

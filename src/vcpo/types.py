@@ -12,6 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+DROPPED_STATUS = "dropped"
+"""The reward status of the one-row marker that stands for a group an agent task dropped (vcpo.agents.collect):
+never trained on; the rollout sources leave it out of the batch and count it as ``agent/dropped_groups``."""
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -57,7 +61,7 @@ class Trajectory:
     finished: bool
     sampling: SamplingParams
     response_text: str = ""
-    reward_status: str = "ok"  # how the reward came about: ok, error, crash or timeout (vcpo.rewards.pool)
+    reward_status: str = "ok"  # ok, error, crash, timeout (vcpo.rewards.pool), or DROPPED_STATUS (a dropped group)
     # Multi-turn episodes (vcpo.envs.multiturn): 1 on tokens the model sampled, 0 on environment observations
     # (never trained on); None means every response token is the model's. ``trainable`` False takes the whole
     # trajectory out of the loss (SimpleTIR's void turns); ``env_stats`` holds per-episode counts (``tools/...``).
@@ -76,6 +80,11 @@ class Trajectory:
     def model_versions(self) -> list[int]:
         """The policy versions of the model's own tokens (observation tokens left out)."""
         return [v for v, m in zip(self.versions, self.model_token_mask(), strict=True) if m]
+
+
+def is_dropped_group(group: list[Trajectory]) -> bool:
+    """Whether ``group`` is the marker of a group an agent task dropped (``DROPPED_STATUS``)."""
+    return any(t.reward_status == DROPPED_STATUS for t in group)
 
 
 @dataclass

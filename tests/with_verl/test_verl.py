@@ -110,8 +110,67 @@ def test_ess_adamw_from_verls_build_optimizer_scales_the_step_by_the_ess_rule(ba
     torch_adamw.step()
     torch.testing.assert_close(weights, reference)
     assert optimizer.last_ess_ratio == pytest.approx(rho) and optimizer.param_groups[0]["lr"] == 0.1
-    optimizer.step()  # nothing recorded since: the full learning rate
+    with pytest.warns(RuntimeWarning, match="no vcpo_\\* policy loss recorded"):
+        optimizer.step()  # nothing recorded since (e.g. another loss_mode): the full learning rate, and a warning
     assert optimizer.last_lr_scale == 1.0
+
+
+def test_a_step_verl_skips_leaves_no_log_weights_for_the_next(batch):
+    """verl's engine zeroes the gradients instead of stepping when the gradient norm is not finite
+    (FSDPEngine.optimizer_step): that step's log-weights must not enter the next step's ESS."""
+    from verl.workers.config import FSDPOptimizerConfig, build_optimizer
+
+    from vcpo.integrations.verl import policy_loss
+    from vcpo.variance import ess_ratio, sequence_log_weights
+
+    behaviour, current, advantages, mask = batch
+    config = FSDPOptimizerConfig(lr=0.1, optimizer="ESSAdamW", optimizer_impl="vcpo.integrations.verl")
+    optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(2))], config)
+    loss_fn, info = policy_loss("vcpo"), SimpleNamespace(global_batch_info={})
+    loss_fn(behaviour, current, advantages, mask, "seq-mean-token-mean", info)  # the skipped step's batch
+    optimizer.zero_grad()
+    rows = slice(0, 3)  # the next step's batch: half the rows, on-policy but for noise
+    nearby = behaviour[rows] + 0.01 * torch.randn(3, mask.shape[1])
+    loss_fn(nearby, current[rows], advantages[rows], mask[rows], "seq-mean-token-mean", info)
+    optimizer.param_groups[0]["params"][0].grad = torch.ones(2)
+    optimizer.step()
+    expected = float(ess_ratio(sequence_log_weights(current[rows], nearby, mask[rows])))
+    assert optimizer.last_ess_ratio == pytest.approx(expected)
+    assert optimizer.last_ess_ratio != pytest.approx(float(ess_ratio(torch.cat([
+        sequence_log_weights(current, behaviour, mask), sequence_log_weights(current[rows], nearby, mask[rows])]))))
+
+
+@pytest.mark.parametrize("objective", ["bapo", "m2po"])
+def test_batch_scoped_losses_run_on_the_whole_batch_only(batch, objective):
+    """bapo's and m2po's statistic is over the batch: on verl's whole global batch (one rank) the loss is vcpo's;
+    a micro-batch of it, or one rank of two, is refused with one error (their gradient depends on the split)."""
+    from vcpo.integrations.verl import policy_loss
+    from vcpo.objectives import ObjectiveInputs, get_objective
+
+    behaviour, current, advantages, mask = batch
+    loss_fn = policy_loss(objective)
+    whole = SimpleNamespace(global_batch_info={"dp_size": 1, "global_batch_size": 6, "batch_num_tokens": mask.sum()})
+    loss, _ = loss_fn(behaviour, current, advantages, mask, "token-mean", whole)
+    expected = get_objective(objective)(ObjectiveInputs(logprobs=current, behavior_logprobs=behaviour,
+                                                        advantages=advantages, mask=mask), loss_agg="token-mean")
+    torch.testing.assert_close(loss, expected.loss)
+    with pytest.raises(ValueError, match=f"vcpo_{objective}'s statistic is over the whole batch.*2 of "
+                                         "global_batch_size=6 rows on dp_size=1"):
+        loss_fn(behaviour[:2], current[:2], advantages[:2], mask[:2], "token-mean", whole)
+    two_ranks = SimpleNamespace(global_batch_info={**whole.global_batch_info, "dp_size": 2})
+    with pytest.raises(ValueError, match="dp_size=2"):
+        loss_fn(behaviour, current, advantages, mask, "token-mean", two_ranks)
+
+
+def test_a_group_scoped_loss_is_refused(batch):
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    import vcpo.integrations.verl  # noqa: F401  (registers the losses)
+
+    behaviour, current, advantages, mask = batch
+    with pytest.raises(ValueError, match="vcpo_tb is group-scoped: verl passes a policy loss no prompt ids"):
+        get_policy_loss_fn("vcpo_tb")(behaviour, current, advantages, mask, "token-mean",
+                                      SimpleNamespace(global_batch_info={}))
 
 
 def test_opob_on_a_real_dataproto_is_vcpos_with_the_logit_proxy():
@@ -146,6 +205,29 @@ def test_opob_on_a_real_dataproto_is_vcpos_with_the_logit_proxy():
     # import here: verl 0.9.1 leaves its cachetools dependency undeclared).
     grpo, _ = compute_grpo_outcome_advantage(rewards, mask, uid)
     assert not torch.allclose(ours, grpo, atol=1e-3)
+
+
+@pytest.mark.parametrize("with_sum_pi_squared", [False, True])
+def test_opob_after_verls_bypass_mode_refuses_without_the_policys_log_probs(with_sum_pi_squared):
+    """verl's apply_bypass_mode sets old_log_probs to the rollout's and skips the pass that gives sum_pi_squared:
+    OPOB must not run there on the rollout's log-probs (W = 1, G the rollout's) nor fail with a KeyError."""
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
+
+    from vcpo.integrations.verl import compute_opob_advantage
+
+    torch.manual_seed(2)
+    B, T = 4, 3
+    tensors = {"token_level_rewards": torch.tensor([[0, 0, 1.0], [0, 0, 0], [0, 0, 1], [0, 0, 0]]),
+               "response_mask": torch.ones(B, T), "rollout_log_probs": torch.rand(B, T).log()}
+    if with_sum_pi_squared:
+        tensors["sum_pi_squared"] = torch.rand(B, T)
+    data = DataProto.from_dict(tensors=tensors, non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+    apply_bypass_mode(data, rollout_corr_config=OmegaConf.create({"bypass_mode": True}),
+                      policy_loss_config=OmegaConf.create({"loss_mode": "vcpo_vcpo"}))
+    with pytest.raises(ValueError, match=r"rollout's \(verl's bypass mode\).*add_policy_log_probs"):
+        compute_opob_advantage(data, variant="plugin")
 
 
 @pytest.mark.parametrize("how", ["entry point", "external_lib"])

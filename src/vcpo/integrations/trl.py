@@ -6,14 +6,15 @@ and scales each optimizer step's learning rate by the ESS ratio (``ESSLearningRa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor
 from transformers import TrainerCallback
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 from vcpo.objective_specs import SUM_NORM, check_hyperparameters
 from vcpo.objectives import ObjectiveInputs, get_objective
@@ -34,6 +35,17 @@ ADVANTAGE_ESTIMATORS = ("opob", "trl")
 """``opob``: VCPO's off-policy optimal baseline over each generated batch; ``trl``: TRL's own advantages."""
 GRAD_NORM_METHODS = ("logit_proxy", *GRAD_SQ_NORM_METHODS)
 """How OPOB's G_i is measured: the forward-only logit proxy, or the per-row norms of ``trajectory_grad_sq_norms``."""
+IGNORED_LOSS_OPTIONS = ("loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level")
+"""``GRPOConfig`` options of TRL's own loss, which the vcpo objective replaces (``beta`` still makes TRL compute the
+reference log-probs, which ``tb`` reads)."""
+
+
+def ignored_loss_options(args: GRPOConfig, objective: str) -> dict[str, Any]:
+    """The options of ``IGNORED_LOSS_OPTIONS`` that ``args`` sets away from GRPOConfig's defaults (``beta`` not for
+    ``tb``, which reads the reference log-probs it makes TRL compute)."""
+    defaults = {f.name: f.default for f in fields(GRPOConfig)}
+    return {name: getattr(args, name) for name in IGNORED_LOSS_OPTIONS
+            if getattr(args, name) != defaults[name] and not (name == "beta" and objective == "tb")}
 
 
 def behaviour_logprobs(inputs: Mapping[str, Any], logprobs_BT: Tensor) -> Tensor:
@@ -48,6 +60,24 @@ def behaviour_logprobs(inputs: Mapping[str, Any], logprobs_BT: Tensor) -> Tensor
     if sampled_BT is None:
         return fallback_BT
     return torch.where(torch.isnan(sampled_BT), fallback_BT, sampled_BT)
+
+
+def check_vcpo_arguments(
+    objective: str, objective_kwargs: Mapping[str, Any] | None, advantage_estimator: str, opob_variant: str,
+    grad_norm_method: str,
+) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The objective and its checked hyperparameters; a ValueError naming the first bad vcpo argument."""
+    objective_fn = get_objective(objective)  # ValueError listing the names
+    kwargs = check_hyperparameters(objective, dict(objective_kwargs or {}))
+    if advantage_estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage_estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, "
+                         f"got {advantage_estimator!r}")
+    if opob_variant not in OPOB_VARIANTS:
+        raise ValueError(f"opob_variant must be one of {', '.join(OPOB_VARIANTS)}, got {opob_variant!r}")
+    if grad_norm_method not in GRAD_NORM_METHODS:
+        raise ValueError(f"grad_norm_method must be one of {', '.join(GRAD_NORM_METHODS)}, "
+                         f"got {grad_norm_method!r}")
+    return objective_fn, kwargs
 
 
 class ESSLearningRateCallback(TrainerCallback):
@@ -118,8 +148,10 @@ class VCPOGRPOTrainer(GRPOTrainer):
       ``opob_variant`` (default ``"grad_only"``: weights G_i, no W, as W = 1 at generation unless a generator
       returned its own log-probs) and ``grad_norm_method`` (``"logit_proxy"``, default, one forward without
       gradient; ``"exact"``, one backward per row; ``"fast"``, ghost norms) choose how (``opob_advantages``).
-    - ``ess_lr_rule``: ``"sqrt"`` (default), ``"linear"`` or None (off), with ``ess_lr_reference``.
+    - ``ess_lr_rule``: ``"sqrt"`` (default), ``"linear"`` or None (off), with ``ess_lr_reference``. Refused with
+      DeepSpeed, whose step accelerate takes inside ``backward()``, out of the callback's reach.
 
+    TRL's loss options set away from their defaults (``IGNORED_LOSS_OPTIONS``) get one warning: they do nothing.
     ``last_opob`` holds the latest generated batch's ``OPOBBatch``.
     """
 
@@ -128,16 +160,8 @@ class VCPOGRPOTrainer(GRPOTrainer):
         advantage_estimator: str = "opob", opob_variant: str = "grad_only", grad_norm_method: str = "logit_proxy",
         ess_lr_rule: str | None = "sqrt", ess_lr_reference: float = 1.0, **kwargs: Any,
     ) -> None:
-        self.vcpo_objective = get_objective(objective)  # ValueError listing the names
-        self.vcpo_objective_kwargs = check_hyperparameters(objective, dict(objective_kwargs or {}))
-        if advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage_estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, "
-                             f"got {advantage_estimator!r}")
-        if opob_variant not in OPOB_VARIANTS:
-            raise ValueError(f"opob_variant must be one of {', '.join(OPOB_VARIANTS)}, got {opob_variant!r}")
-        if grad_norm_method not in GRAD_NORM_METHODS:
-            raise ValueError(f"grad_norm_method must be one of {', '.join(GRAD_NORM_METHODS)}, "
-                             f"got {grad_norm_method!r}")
+        self.vcpo_objective, self.vcpo_objective_kwargs = check_vcpo_arguments(
+            objective, objective_kwargs, advantage_estimator, opob_variant, grad_norm_method)
         self.advantage_estimator, self.opob_variant, self.grad_norm_method = (
             advantage_estimator, opob_variant, grad_norm_method)
         self.last_opob: OPOBBatch | None = None
@@ -148,7 +172,14 @@ class VCPOGRPOTrainer(GRPOTrainer):
         if advantage_estimator == "opob" and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError("advantage_estimator='opob' takes the weighted sum of the rewards; "
                              "multi_objective_aggregation must be 'sum_then_normalize'")
+        ignored = ignored_loss_options(self.args, objective)
+        if ignored:
+            warnings.warn(f"VCPOGRPOTrainer ignores {', '.join(f'{k}={v!r}' for k, v in ignored.items())}: the vcpo "
+                          f"objective {objective!r} replaces TRL's loss", UserWarning, stacklevel=2)
         self.ess_lr = None
+        if ess_lr_rule is not None and self.is_deepspeed_enabled:
+            raise ValueError("ess_lr_rule with DeepSpeed: accelerate takes DeepSpeed's optimizer step inside "
+                             "backward(), where the ESS learning rate cannot reach it; set ess_lr_rule=None")
         if ess_lr_rule is not None:
             self.ess_lr = ESSLearningRateCallback(self._metrics["train"], ess_lr_rule, ess_lr_reference)
             self.add_callback(self.ess_lr)
@@ -185,8 +216,9 @@ class VCPOGRPOTrainer(GRPOTrainer):
     def opob(self, batch: dict[str, Any], rewards_N: Tensor, unscorable_N: Tensor, group_ids_N: Tensor) -> OPOBBatch:
         """OPOB advantages of the whole generated batch: G_i of this process's rows, gathered with every process's,
         then ``opob_advantages`` over all N rows. A row no reward function scored gets advantage 0 and stands in
-        its group's baseline and std with the group's mean reward; W is the trainer's policy at generation over the
-        generator's (1 when TRL samples with the trainer's model)."""
+        its group's baseline and std with the group's mean reward; W is the trainer's policy at generation
+        (``old_per_token_logps``, else the policy now: TRL keeps none for a fresh batch) over the generator's
+        (``sampling_per_token_logps``: vLLM or a ``rollout_func``; 1 when TRL samples with the trainer's model)."""
         group_mean_N = torch.zeros_like(rewards_N).index_add_(0, group_ids_N, torch.where(unscorable_N, 0.0, rewards_N))
         scored_N = torch.zeros_like(rewards_N).index_add_(0, group_ids_N, (~unscorable_N).to(rewards_N.dtype))
         filled_N = torch.where(unscorable_N, (group_mean_N / scored_N.clamp(min=1))[group_ids_N], rewards_N)
@@ -199,10 +231,14 @@ class VCPOGRPOTrainer(GRPOTrainer):
         needed_B = opob_rows_needing_grad_norms(filled_N, group_ids_N)[local].to(input_ids_BS.device)
         G_B = self.grad_sq_norms(input_ids_BS, attention_mask_BS, response_mask_BS, needed_B)
         logw_B = torch.zeros(input_ids_BS.shape[0], dtype=torch.float64, device=input_ids_BS.device)
-        if "sampling_per_token_logps" in batch and "old_per_token_logps" in batch:
-            logw_B = sequence_log_weights(batch["old_per_token_logps"].double(),
-                                          torch.nan_to_num(batch["sampling_per_token_logps"].double()),
-                                          completion_mask_BC * ~torch.isnan(batch["sampling_per_token_logps"]))
+        sampled_BC = batch.get("sampling_per_token_logps")
+        if sampled_BC is not None:
+            policy_BC = batch.get("old_per_token_logps")
+            if policy_BC is None:  # TRL kept none: a fresh batch, whose policy at generation is the trainer's now
+                prompt_width = batch["prompt_ids"].shape[1]
+                policy_BC = self.policy_logprobs(input_ids_BS, attention_mask_BS, response_mask_BS)[:, prompt_width:]
+            logw_B = sequence_log_weights(policy_BC.double(), torch.nan_to_num(sampled_BC.double()),
+                                          completion_mask_BC * ~torch.isnan(sampled_BC))
         G_N = self.accelerator.gather(G_B).to(rewards_N.device, torch.float64)
         logw_N = self.accelerator.gather(logw_B).to(rewards_N.device, torch.float64)
         advantages_N = opob_advantages(filled_N.double(), logw_N, G_N, group_ids_N, variant=self.opob_variant)
@@ -211,6 +247,24 @@ class VCPOGRPOTrainer(GRPOTrainer):
         all_local = self.accelerator.gather(batch["advantages"]).to(rewards_N.device)
         return OPOBBatch(rewards_N, group_ids_N, logw_N, G_N, advantages_N, all_local, input_ids_BS,
                          attention_mask_BS, response_mask_BS)
+
+    def policy_logprobs(self, input_ids_BS: Tensor, attention_mask_BS: Tensor, response_mask_BS: Tensor) -> Tensor:
+        """[B, S] log-probs of the response tokens under the trainer's policy at the sampling temperature (0
+        elsewhere), without gradient, in eval mode, a micro-batch of rows at a time."""
+        model = self.accelerator.unwrap_model(self.model)
+        was_training = model.training
+        model.eval()
+        step = self.args.per_device_train_batch_size
+        chunks_bS = []
+        try:
+            with torch.no_grad():
+                for start in range(0, input_ids_BS.shape[0], step):
+                    rows = slice(start, start + step)
+                    chunks_bS.append(token_logprobs(model, input_ids_BS[rows], attention_mask_BS[rows],
+                                                    self.temperature, positions=response_mask_BS[rows]))
+        finally:
+            model.train(was_training)
+        return torch.cat(chunks_bS)
 
     def grad_sq_norms(self, input_ids_BS: Tensor, attention_mask_BS: Tensor, response_mask_BS: Tensor,
                       needed_B: Tensor) -> Tensor:
@@ -270,3 +324,15 @@ class VCPOGRPOTrainer(GRPOTrainer):
         for key, value in metrics.items():
             self._metrics[mode][key].append(value)
         return out.loss / (self.current_gradient_accumulation_steps if mode == "train" else 1.0)
+
+
+ASYNC_NAMES = ("LocalRolloutWorker", "LocalWeightTransfer", "VCPOAsyncGRPOTrainer")
+"""TRL's asynchronous trainer's pieces, in vcpo.integrations.trl_async (imported on first use: it imports this)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in ASYNC_NAMES:
+        from vcpo.integrations import trl_async
+
+        return getattr(trl_async, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -284,6 +284,8 @@ class AsyncSource:
         out = {"staleness/dropped_over_bound": float(s.dropped_over_bound + self._before.get("dropped_over_bound", 0)),
                "staleness/dropped_alpha": float(s.dropped_alpha + self._before.get("dropped_alpha", 0)),
                "async/worker_restarts": float(self.restarts + self._before.get("worker_restarts", 0))}
+        if s.dropped_agent:
+            out["agent/dropped_groups"] = float(s.dropped_agent)
         out |= self._batch_metrics
         if self.publisher is not None:  # the last update of the servers (as the Ray backend reports it)
             out["time/weight_publish_s"] = self.publish_s

@@ -6,13 +6,14 @@ from typing import Any
 
 import torch
 
+from vcpo.errors import RunFailed
 from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.base import RolloutContext, generator_for, trajectory_from_dict, trajectory_to_dict
 from vcpo.orchestration.filtering import DynamicSampling
 from vcpo.orchestration.replay import split_groups
 from vcpo.orchestration.tally import GroupTally
 from vcpo.rollout.collect import collect_groups
-from vcpo.types import Trajectory
+from vcpo.types import DROPPED_STATUS, Trajectory, is_dropped_group
 
 
 def _generate_batch(engine, ctx: RolloutContext, index: int) -> list[Trajectory]:
@@ -22,6 +23,26 @@ def _generate_batch(engine, ctx: RolloutContext, index: int) -> list[Trajectory]
         ctx.group_size, ctx.sampling, generator_for(ctx.seed, index),
     )
     return [t for g in groups for t in g]
+
+
+def _without_dropped(batch: list[Trajectory], index: int) -> tuple[list[Trajectory], int]:
+    """The batch to train on, without the markers of groups an agent task dropped, and how many there were."""
+    kept = [t for t in batch if t.reward_status != DROPPED_STATUS]
+    if batch and not kept:
+        raise RunFailed(f"every group of batch {index} was dropped by the agent task (the lines above say why; "
+                        "task.kwargs.agent_retries runs a failed group again)")
+    return kept, len(batch) - len(kept)
+
+
+def _close_task(task: Any) -> None:
+    """Stop what the task started in this process (an agent task's endpoint and runner)."""
+    close = getattr(task, "close", None)
+    if close is not None:
+        close()
+
+
+def _agent_metrics(dropped: int) -> dict[str, float]:
+    return {"agent/dropped_groups": float(dropped)} if dropped else {}
 
 
 class _Batches:
@@ -44,15 +65,22 @@ class _Batches:
                 tally.add(group, "trained")
             return batch, tally.take()
         ctx, fill = self.ctx, self.sampling.fill()
-        while not fill.done:
-            indices = list(range(self.next_group, self.next_group + min(ctx.stream.prompts_per_step, fill.room)))
+        markers: list[list[Trajectory]] = []  # groups an agent task dropped: never judged, left out at train time
+        generated = 0  # markers included: a task that drops every group still ends at the cap
+        while not fill.done and generated < fill.cap:
+            n = min(ctx.stream.prompts_per_step, fill.room, fill.cap - generated)
+            indices = list(range(self.next_group, self.next_group + n))
             for group in collect_groups(engine, ctx.tokenizer, ctx.task, [ctx.stream.group(i) for i in indices],
                                         indices, ctx.group_size, ctx.sampling, generator_for(ctx.seed, indices[0])):
-                fill.offer(group)
+                if is_dropped_group(group):
+                    markers.append(group)
+                else:
+                    fill.offer(group)
             self.next_group = indices[-1] + 1
+            generated += n
         groups, metrics = fill.result()
         fill.record(tally)
-        return [t for g in groups for t in g], metrics | tally.take()
+        return [t for g in groups + markers for t in g], metrics | tally.take()
 
     def state(self) -> dict[str, Any]:
         return {} if self.sampling is None else {"next_group": self.next_group}
@@ -88,10 +116,13 @@ class SyncSource:
         self.remote_model = remote_model
         self.batches = _Batches(ctx, sampling)
         self._metrics: dict[str, float] = {}
+        self.agent_dropped = 0
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         _at_version(self.engine, self.remote_model, learner_version)
         batch, self._metrics = self.batches.make(self.engine, learner_version)
+        batch, dropped = _without_dropped(batch, learner_version)
+        self.agent_dropped += dropped
         return batch
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
@@ -102,7 +133,7 @@ class SyncSource:
         pass  # every token has lag 0 whatever the bound
 
     def metrics(self) -> dict[str, float]:
-        return self._metrics
+        return self._metrics | _agent_metrics(self.agent_dropped)
 
     def state(self) -> dict[str, Any]:
         return self.batches.state()
@@ -111,7 +142,7 @@ class SyncSource:
         self.batches.load_state(state)
 
     def close(self) -> None:
-        pass
+        _close_task(self.ctx.task)
 
 
 class LaggedSource:
@@ -144,6 +175,7 @@ class LaggedSource:
         self._metrics: dict[str, float] = {}  # of the batch trained last
         self.dropped = 0  # groups of the batches dropped for a lowered bound
         self.adaptive = False  # set_bound was called: the drop count is reported
+        self.agent_dropped = 0
 
     def _fill(self, version: int) -> None:
         """Drop the queued batches that would lag more than k; generate every missing batch of version..version+k
@@ -161,7 +193,9 @@ class LaggedSource:
         if learner_version not in self.pending:
             self._fill(learner_version)
         self._metrics = self.pending_metrics.pop(learner_version, {})
-        return self.pending.pop(learner_version)
+        batch, dropped = _without_dropped(self.pending.pop(learner_version), learner_version)
+        self.agent_dropped += dropped
+        return batch
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         self._fill(version)
@@ -171,7 +205,8 @@ class LaggedSource:
         self.adaptive = True
 
     def metrics(self) -> dict[str, float]:
-        return ({"staleness/dropped_over_bound": float(self.dropped)} if self.adaptive else {}) | self._metrics
+        bound = {"staleness/dropped_over_bound": float(self.dropped)} if self.adaptive else {}
+        return bound | self._metrics | _agent_metrics(self.agent_dropped)
 
     def state(self) -> dict[str, Any]:
         """The queued batches by index (``"dropped"``: the drop count, when any batch was dropped; ``"batches"``:
@@ -189,4 +224,4 @@ class LaggedSource:
                         if i not in ("dropped", "batches")}
 
     def close(self) -> None:
-        pass
+        _close_task(self.ctx.task)

@@ -14,7 +14,7 @@ import math
 import threading
 from dataclasses import dataclass
 
-from vcpo.types import Trajectory
+from vcpo.types import Trajectory, is_dropped_group
 
 
 @dataclass
@@ -22,6 +22,7 @@ class StalenessStats:
     admitted: int = 0
     dropped_over_bound: int = 0
     dropped_alpha: int = 0
+    dropped_agent: int = 0  # groups an agent task dropped (vcpo.agents.collect)
     filtered: int = 0
     """Groups dropped by dynamic sampling (net of those a step took back as fillers at its cap)."""
 
@@ -62,7 +63,7 @@ class StalenessController:
 
     def _net(self) -> int:
         s = self.stats
-        return s.admitted - s.dropped_over_bound - s.dropped_alpha - s.filtered
+        return s.admitted - s.dropped_over_bound - s.dropped_alpha - s.dropped_agent - s.filtered
 
     def release(self, groups: int = 1) -> None:
         """``groups`` finished groups left out of the batch by dynamic sampling: their admission capacity is free."""
@@ -93,12 +94,14 @@ class StalenessController:
         """Whether a finished group may enter the batch trained at ``learner_version``.
 
         Drops (and frees admission capacity for) a group whose oldest token lags more than k, or
-        whose creation lags more than ceil(alpha) steps when ROLL Flash's alpha is set.
+        whose creation lags more than ceil(alpha) steps when ROLL Flash's alpha is set, or that an agent task dropped.
         """
         oldest = min(t.min_version for t in group)
         lag = learner_version - oldest
         with self._cond:
-            if lag > self.k:
+            if is_dropped_group(group):
+                self.stats.dropped_agent += 1
+            elif lag > self.k:
                 self.stats.dropped_over_bound += 1
             elif self.alpha is not None and lag > math.ceil(self.alpha):
                 self.stats.dropped_alpha += 1

@@ -4,7 +4,7 @@ filtering rule's bias on the trained distribution shows in the metrics (``groups
 
 from __future__ import annotations
 
-from vcpo.types import Trajectory
+from vcpo.types import Trajectory, is_dropped_group
 
 KINDS = ("trained", "dropped")
 
@@ -26,7 +26,10 @@ class GroupTally:
         self.groups: dict[str, list[list[Trajectory]]] = {kind: [] for kind in KINDS}
 
     def add(self, group: list[Trajectory], kind: str) -> None:
-        self.groups[kind].append(group)
+        """Count ``group`` as ``kind``; an agent task's dropped-group marker is not a generated group (it is counted in
+        ``agent/dropped_groups``)."""
+        if not is_dropped_group(group):
+            self.groups[kind].append(group)
 
     def take(self) -> dict[str, float]:
         """The step's ``groups/{generated,trained,dropped}`` (generated: both), ``..._count`` and, over the groups of

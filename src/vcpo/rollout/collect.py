@@ -28,7 +28,16 @@ def collect_groups(
 
     Returns one list of trajectories per problem (a GRPO group), in the order of ``problems``; each carries its
     reward's status (``ok``, ``error``, ``crash``, ``timeout``), so the step that trains on it can count them.
+    An agent task (``vcpo.agents``) runs its agents against the run's endpoint instead; a group it drops is a
+    one-row marker (``vcpo.types.is_dropped_group``).
     """
+    from vcpo.agents.task import is_agent_task
+
+    if is_agent_task(task):
+        from vcpo.agents.collect import collect_agent_groups
+
+        return collect_agent_groups(engine, tokenizer, task, problems, group_ids, group_size, sampling, generator,
+                                    weight_poll)
     prompt_ids = encode_prompts(tokenizer, problems)  # once: these ids are sampled from and trained on
     flat_prompts = [ids for ids in prompt_ids for _ in range(group_size)]
     if is_multiturn(task):

@@ -21,7 +21,8 @@ _EXPORTS = {
 
 def make_task(config: TaskConfig) -> Task:
     """The task a config names: a :class:`DatasetTask` for ``jsonl`` / ``parquet``, the multi-turn :class:`ToolTask`
-    for ``tools:<dataset>``, a user's own task for an import path (``module.sub:Name(**config.kwargs)``), else
+    for ``tools:<dataset>``, an :class:`~vcpo.agents.task.AgentTask` for ``agent:<module>:<function>``, a user's
+    own task for an import path (``module.sub:Name(**config.kwargs)``), else
     ``ReasoningGymTask(config.name, **config.kwargs)``; with the config's prompt format and reward (vcpo's
     single-turn tasks), reward deadline and scoring workers. Bad settings raise TaskError (one line)."""
     from vcpo.tasks.prompts import PromptFormat
@@ -29,6 +30,10 @@ def make_task(config: TaskConfig) -> Task:
     from vcpo.tasks.tool_task import TOOL_PREFIX, ToolTask
     from vcpo.tasks.user_task import is_user_task, make_user_task
 
+    if config.name.startswith("agent:"):
+        from vcpo.agents.task import AgentTask
+
+        return AgentTask(config)
     if is_user_task(config.name):
         return make_user_task(config.name, config.kwargs)
     if config.name.startswith(TOOL_PREFIX):

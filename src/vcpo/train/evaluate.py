@@ -87,7 +87,12 @@ def evaluate(
     """``{"eval/accuracy": greedy accuracy}`` and, with ``settings.samples = N > 0``, ``eval/mean@N`` and
     ``eval/pass@N`` (:func:`at_k_metrics`). A completion counts as correct when its reward is exactly 1.0 (partial
     credit, which some reasoning-gym scorers give, does not). Sampling is seeded by ``settings.seed``. A multi-turn
-    task is evaluated on greedy episodes only (``max_new_tokens`` per turn, scored by its environment)."""
+    task is evaluated on greedy episodes only (``max_new_tokens`` per turn, scored by its environment); an agent task
+    as its problem task (its agent runs in training rollouts only)."""
+    from vcpo.agents.task import is_agent_task
+
+    if is_agent_task(task):
+        task = task.base
     if not problems:
         return {"eval/accuracy": 0.0}
     was_training = model.training

@@ -63,12 +63,16 @@ def warm_start(config: Config) -> Path:
     """The model directory RL starts from.
 
     ``model.path`` when set (returned unchanged); otherwise the default model, fine-tuned for
-    ``sft.steps`` steps and cached in ``{sft.cache_dir}/{task}-{cache_key}``. A cached directory is reused
-    as is; a new one is written to a temporary directory and renamed into place, so an interrupted run
-    never leaves a half-written cache entry.
+    ``sft.steps`` steps and cached in ``{sft.cache_dir}/{task}-{cache_key}`` (an agent task's: its problem task's,
+    the same entry). A cached directory is reused as is; a new one is written to a temporary directory and renamed
+    into place, so an interrupted run never leaves a half-written cache entry.
     """
     if config.model.path is not None:
         return Path(config.model.path)
+    if config.task.name.startswith("agent:"):  # warm-started on its problem task: the very model that task's runs use
+        from vcpo.agents.task import problem_task_config
+
+        config = config.model_copy(update={"task": problem_task_config(config.task)})
     cache_dir = Path(config.sft.cache_dir)
     final = cache_dir / f"{config.task.name}-{cache_key(config)}"
     say = console.print if config.logging.progress else (lambda *_: None)

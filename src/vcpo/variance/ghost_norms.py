@@ -56,6 +56,9 @@ class _Call:
     saved: Tensor | ScaledOutput
     output: Tensor
     versions: tuple[int, int]
+    held: dict[int, str]
+    """The tensors the module held as its own parameters during the call (id -> local name): under FSDP2 its
+    unsharded copies, the leaves the autograd graph holds, not the sharded parameters."""
 
 
 @dataclass
@@ -109,19 +112,22 @@ class _Plan:
     key: tuple[int, ...]
     kinds: dict[nn.Module, str]
     names: dict[int, str]
+    owned: dict[nn.Module, dict[str, int]]
     graph_checked: bool = False
 
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
 
 
-def _plan(model: nn.Module, params: list[nn.Parameter]) -> tuple[dict[nn.Module, str], dict[int, str]]:
-    """Supported modules to hook, by rule name; a module owning a trainable parameter that fits no rule is an error."""
+def _plan(model: nn.Module, params: list[nn.Parameter]
+          ) -> tuple[dict[nn.Module, str], dict[int, str], dict[nn.Module, dict[str, int]]]:
+    """Supported modules to hook, by rule name; each parameter's name (by id); and each hooked module's trainable
+    parameters by local name. A module owning a trainable parameter that fits no rule is an error."""
     trainable = {id(p) for p in params}
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
-    kinds = {}
+    kinds, owned = {}, {}
     for module in model.modules():
         own = [p for p in module.parameters(recurse=False) if id(p) in trainable]
         if not own:
@@ -133,7 +139,8 @@ def _plan(model: nn.Module, params: list[nn.Parameter]) -> tuple[dict[nn.Module,
                 f"{type(module).__name__}; use method='exact'"
             )
         kinds[module] = kind
-    return kinds, names
+        owned[module] = {local: id(p) for local, p in module.named_parameters(recurse=False) if id(p) in trainable}
+    return kinds, names, owned
 
 
 def _graph_uses(root: torch.autograd.graph.Node | None) -> dict[int, int]:
@@ -177,7 +184,8 @@ def _hooked_forward(
                 f"fast grad norms need a [B={B}, T={T}, ...] tensor input and output at {type(module).__name__}"
             )
         saved = save_activation(kinds[module], module, x, output)
-        calls.append(_Call(module, kinds[module], saved, output, (saved._version, output._version)))
+        held = {id(t): local for local, t in module.named_parameters(recurse=False)}
+        calls.append(_Call(module, kinds[module], saved, output, (saved._version, output._version), held))
 
     handles = []
     try:
@@ -207,17 +215,32 @@ def _refuse_in_place(calls: list[_Call]) -> None:
         raise NotImplementedError("fast grad norms: a hooked activation was modified in place during the forward")
 
 
-def _refuse_unaccounted(score: Tensor, calls: list[_Call], params: list[nn.Parameter], names: dict[int, str]) -> None:
-    """Raises if a parameter reaches the score other than through the hooked calls of the module that owns it."""
+def _refuse_unaccounted(score: Tensor, calls: list[_Call], params: list[nn.Parameter], plan: _Plan) -> None:
+    """Raises if a parameter reaches the score other than through the hooked calls of the module that owns it.
+
+    A graph leaf is matched to its parameter through what each hooked module held during its call (under FSDP2 the
+    leaves are the unsharded copies of the sharded parameters); a trainable leaf that no hooked call held is a use
+    outside the owning module too."""
+    trainable = {id(p) for p in params}
+    param_of_leaf = {pid: pid for pid in trainable}
     calls_per_param: dict[int, int] = {}
     for c in calls:
-        for p in c.module.parameters(recurse=False):
-            calls_per_param[id(p)] = calls_per_param.get(id(p), 0) + 1
-    uses = _graph_uses(score.grad_fn)
+        for leaf, local in c.held.items():
+            pid = plan.owned[c.module].get(local)
+            if pid is not None:
+                param_of_leaf[leaf] = pid
+                calls_per_param[pid] = calls_per_param.get(pid, 0) + 1
+    uses_per_param: dict[int, int] = {}
+    for leaf, uses in _graph_uses(score.grad_fn).items():
+        pid = param_of_leaf.get(leaf)
+        if pid is None:
+            raise NotImplementedError("fast grad norms: a trainable tensor that no hooked module held during its call "
+                                      "reaches the score (a parameter used outside its module); use method='exact'")
+        uses_per_param[pid] = uses_per_param.get(pid, 0) + uses
     for p in params:
-        if uses.get(id(p), 0) > calls_per_param.get(id(p), 0):
+        if uses_per_param.get(id(p), 0) > calls_per_param.get(id(p), 0):
             raise NotImplementedError(
-                f"fast grad norms: parameter {names[id(p)]!r} is used outside the modules that own it; "
+                f"fast grad norms: parameter {plan.names[id(p)]!r} is used outside the modules that own it; "
                 "use method='exact'"
             )
 
@@ -267,7 +290,7 @@ def _capture(
     )
     _refuse_in_place(calls)
     if not plan.graph_checked:
-        _refuse_unaccounted(score, calls, params, plan.names)
+        _refuse_unaccounted(score, calls, params, plan)
         plan.graph_checked = True
     # Rows do not interact, so the gradient of sum_b score_b at row b's activations is that of score_b alone.
     live = [c for c in calls if c.output.requires_grad]
