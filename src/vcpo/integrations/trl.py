@@ -80,6 +80,17 @@ def check_vcpo_arguments(
     return objective_fn, kwargs
 
 
+def fill_unscored_rewards(rewards_N: Tensor, group_ids_N: Tensor) -> tuple[Tensor, Tensor]:
+    """``(filled_N, unscored_N)``: a NaN reward (no reward function scored the row) replaced by its group's mean
+    reward over the scored rows (0 in a group with none), so that it moves neither its group's baseline nor std."""
+    unscored_N = torch.isnan(rewards_N)
+    _, inverse_N = torch.unique(group_ids_N, return_inverse=True)
+    sums_G = torch.zeros(int(inverse_N.max()) + 1, dtype=rewards_N.dtype, device=rewards_N.device).index_add_(
+        0, inverse_N, torch.where(unscored_N, 0.0, rewards_N))
+    counts_G = torch.zeros_like(sums_G).index_add_(0, inverse_N, (~unscored_N).to(rewards_N.dtype))
+    return torch.where(unscored_N, (sums_G / counts_G.clamp(min=1))[inverse_N], rewards_N), unscored_N
+
+
 class ESSLearningRateCallback(TrainerCallback):
     """Scales each optimizer step's learning rate by VCPO's ESS rule (§8.2), then restores the scheduler's.
 
@@ -219,9 +230,7 @@ class VCPOGRPOTrainer(GRPOTrainer):
         its group's baseline and std with the group's mean reward; W is the trainer's policy at generation
         (``old_per_token_logps``, else the policy now: TRL keeps none for a fresh batch) over the generator's
         (``sampling_per_token_logps``: vLLM or a ``rollout_func``; 1 when TRL samples with the trainer's model)."""
-        group_mean_N = torch.zeros_like(rewards_N).index_add_(0, group_ids_N, torch.where(unscorable_N, 0.0, rewards_N))
-        scored_N = torch.zeros_like(rewards_N).index_add_(0, group_ids_N, (~unscorable_N).to(rewards_N.dtype))
-        filled_N = torch.where(unscorable_N, (group_mean_N / scored_N.clamp(min=1))[group_ids_N], rewards_N)
+        filled_N, _ = fill_unscored_rewards(torch.where(unscorable_N, torch.nan, rewards_N), group_ids_N)
         tool_mask = batch.get("tool_mask")
         completion_mask_BC = batch["completion_mask"] if tool_mask is None else batch["completion_mask"] * tool_mask
         input_ids_BS = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from vcpo.integrations.trl import ESSLearningRateCallback, check_vcpo_arguments
+from vcpo.integrations.trl import ESSLearningRateCallback, check_vcpo_arguments, fill_unscored_rewards
 from vcpo.integrations.trl_local import (
     LocalRolloutWorker,
     LocalWeightTransfer,
@@ -60,17 +60,6 @@ def right_padded(rows: Sequence[np.ndarray], dtype: torch.dtype, pad: float = 0)
     for b, row in enumerate(rows):
         out_BS[b, : len(row)] = torch.as_tensor(row, dtype=dtype)
     return out_BS
-
-
-def fill_unscored_rewards(rewards_N: Tensor, group_ids_N: Tensor) -> tuple[Tensor, Tensor]:
-    """``(filled_N, unscored_N)``: a NaN reward (no reward function scored the row) replaced by its group's mean
-    reward over the scored rows (0 in a group with none), so that it moves neither its group's baseline nor std."""
-    unscored_N = torch.isnan(rewards_N)
-    _, inverse_N = torch.unique(group_ids_N, return_inverse=True)
-    sums_G = torch.zeros(int(inverse_N.max()) + 1, dtype=rewards_N.dtype).index_add_(
-        0, inverse_N, torch.where(unscored_N, 0.0, rewards_N))
-    counts_G = torch.zeros_like(sums_G).index_add_(0, inverse_N, (~unscored_N).to(rewards_N.dtype))
-    return torch.where(unscored_N, (sums_G / counts_G.clamp(min=1))[inverse_N], rewards_N), unscored_N
 
 
 def tokens_by_sequence(values_M: Tensor, segment_id_M: Tensor) -> tuple[Tensor, Tensor]:
