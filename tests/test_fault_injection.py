@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -124,9 +125,9 @@ def test_a_lagged_run_stopped_by_sigterm_resumes_to_the_uninterrupted_metrics(tm
     assert without_times(run_dir) == without_times(lagged_full)
 
 
-ASYNC_NO_DROPS = ["async.mode=async", "async.num_workers=1", "async.max_staleness=8", "trainer.max_steps=6"]
-"""An async run that never drops a group (k = 8 > 6 steps) with one worker, which returns its groups in stream order:
-uninterrupted, steps 1-6 train prompts 0..23 (4 a step), each once."""
+ASYNC_NO_DROPS = ["async.mode=async", "async.num_workers=1", "async.max_staleness=8", "trainer.max_steps=8"]
+"""An async run that never drops a group (k = 8 > 7, the largest lag 8 steps allow) with one worker, which returns its
+groups in stream order: uninterrupted, steps 1-8 train prompts 0..31 (4 a step), each once."""
 
 
 def trained_groups(run_dir: Path) -> list[dict]:
@@ -134,30 +135,41 @@ def trained_groups(run_dir: Path) -> list[dict]:
 
 
 def test_an_async_run_stopped_by_sigterm_trains_every_prompt_once_after_resume(tmp_path, tiny, runs):
-    run_dir = tmp_path / "part"
+    run_dir, tight = tmp_path / "part", tmp_path / "tight"
     part = runs(*tiny, *ASYNC_NO_DROPS, f"run_dir={run_dir}")
     wait_for_lines(run_dir / "metrics.jsonl", 2, part.proc)
-    part.proc.send_signal(signal.SIGTERM)  # the worker is ahead by up to (k + 1) * 4 groups: some queued, some not
+    part.proc.send_signal(signal.SIGTERM)  # the worker runs ahead by up to (k + 1) * 4 groups: some done, some not
     code, lines = part.finish()
     done = len(steps(run_dir))
     assert code == 143, lines[-5:]
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     saved = json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())["source"]
-    vcpo("train", "--resume", str(run_dir))
-
-    records = trained_groups(run_dir)
-    assert [r["step"] for r in records] == [t for t in range(1, 7) for _ in range(4)]
-    # none skipped, none twice: what the uninterrupted run trains (ASYNC_NO_DROPS)
-    assert sorted(r["prompt_index"] for r in records) == list(range(24))
-    # the groups queued at the stop are trained first after the resume, as generated (their lengths and versions
-    # kept), then the prompts that were in flight, regenerated
     queued = [(g[0]["group_id"], min(min(t["versions"]) for t in g)) for g in saved["queued"]]
     assert queued or saved["requeued"], "nothing was queued or in flight at the stop: the test proves nothing"
+    shutil.copytree(run_dir, tight)
+    resumed = [runs("--resume", str(run_dir)),  # and the same stop resumed under k = 0, for one step
+               runs("--resume", str(tight), "async.max_staleness=0", f"trainer.max_steps={done + 1}")]
+    assert [r.finish()[0] for r in resumed] == [0, 0]
+
+    records = trained_groups(run_dir)
+    assert [r["step"] for r in records] == [t for t in range(1, 9) for _ in range(4)]
+    # none skipped, none twice: what the uninterrupted run trains (ASYNC_NO_DROPS)
+    assert sorted(r["prompt_index"] for r in records) == list(range(32))
+    # first the groups that had finished at the stop, as generated (their versions and lengths kept), then the
+    # prompts that were in flight, generated again
     after = records[4 * done:]
-    assert [(r["prompt_index"], r["version"]) for r in after[:len(queued)]] == queued
-    assert [r["prompt_index"] for r in after[len(queued):len(queued) + len(saved["requeued"])]] == saved["requeued"]
+    assert [(r["prompt_index"], r["version"]) for r in after[:len(queued)]] == queued[:len(after)]
     lengths = {g[0]["group_id"]: sum(len(t["response_ids"]) for t in g) / len(g) for g in saved["queued"]}
-    assert {r["prompt_index"]: r["length_mean"] for r in after[:len(queued)]} == lengths
+    assert all(r["length_mean"] == lengths[r["prompt_index"]] for r in after[:len(queued)])
+    regenerated = [r["prompt_index"] for r in after[len(queued):]]
+    assert regenerated == saved["requeued"][:len(regenerated)]
+
+    # Under k = 0 the saved groups older than the checkpoint's version are dropped (and counted) as any stale
+    # group is; the step trains those of its own version, then the regenerated prompts.
+    stale = [i for i, version in queued if version < done]
+    fresh = [i for i, version in queued if version == done] + saved["requeued"]
+    assert [r["prompt_index"] for r in trained_groups(tight)[4 * done:]] == fresh[:4]
+    assert json.loads((tight / "summary.json").read_text())["dropped_groups"] == len(stale)
 
 
 def test_a_failed_resume_leaves_config_yaml_as_it_was(tmp_path):
