@@ -119,7 +119,11 @@ class AsyncSource:
         return _Worker(process, ticket_writer, result_reader, lock)
 
     def _admit(self) -> None:
-        """Issue every group the staleness bound admits now, each to the worker holding the fewest."""
+        """Issue the groups a resumed run had admitted and not finished (admitted already), then every group the
+        staleness bound admits now, each to the worker holding the fewest."""
+        for index in self._reissue:
+            self._send(min(self.workers, key=lambda w: len(w.held)), index)
+        self._reissue = []
         while self.controller.try_admit() is not None:
             self._send(min(self.workers, key=lambda w: len(w.held)), self.next_group)
             self.next_group += 1
@@ -203,9 +207,6 @@ class AsyncSource:
             if self.publisher is not None:  # the servers start from the learner's weights, whatever they loaded
                 self.publisher.publish(sync_state_dict(self._model), int(self.version.value))
             self.workers = [self._spawn(i) for i in range(self.num_workers)]
-            for index in self._reissue:  # admitted already (load_state)
-                self._send(min(self.workers, key=lambda w: len(w.held)), index)
-            self._reissue = []
             self._admit()
         if self._failure is not None:
             raise RunFailed(self._failure)
