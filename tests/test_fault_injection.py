@@ -1,8 +1,8 @@
 """Fault injection through the real command line, the fast cases of benchmarks/fault_injection.py: kill -9 of
 a rollout worker (restarted, then out of restarts), kill -9 of the trainer (no process or shared-memory
 segment left), each resumed to the end with no step lost or repeated; a lagged run stopped by SIGTERM
-(a checkpoint, exit 143) resumes to the same metrics as an uninterrupted one; non-finite steps stop a run;
-failed commands change nothing."""
+(a checkpoint, exit 143) resumes to the same metrics as an uninterrupted one; an async run stopped by SIGTERM trains
+every prompt of the stream once after its resume; non-finite steps stop a run; failed commands change nothing."""
 
 from __future__ import annotations
 
