@@ -1,8 +1,8 @@
 """Fault injection through the real command line, the fast cases of benchmarks/fault_injection.py: kill -9 of
 a rollout worker (restarted, then out of restarts), kill -9 of the trainer (no process or shared-memory
 segment left), each resumed to the end with no step lost or repeated; a lagged run stopped by SIGTERM
-(a checkpoint, exit 143) resumes to the same metrics as an uninterrupted one; non-finite steps stop a run;
-failed commands change nothing."""
+(a checkpoint, exit 143) resumes to the same metrics as an uninterrupted one; an async run stopped by SIGTERM trains
+every prompt of the stream once after its resume; non-finite steps stop a run; failed commands change nothing."""
 
 from __future__ import annotations
 
@@ -122,6 +122,44 @@ def test_a_lagged_run_stopped_by_sigterm_resumes_to_the_uninterrupted_metrics(tm
         return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics(run)]
 
     assert without_times(run_dir) == without_times(lagged_full)
+
+
+ASYNC_NO_DROPS = ["async.mode=async", "async.num_workers=1", "async.max_staleness=8", "trainer.max_steps=8"]
+"""An async run that never drops a group (k = 8 > 7, the largest lag 8 steps allow) with one worker, which returns its
+groups in stream order: uninterrupted, steps 1-8 train prompts 0..31 (4 a step), each once."""
+
+
+def trained_groups(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
+
+
+def test_an_async_run_stopped_by_sigterm_trains_every_prompt_once_after_resume(tmp_path, tiny, runs):
+    run_dir = tmp_path / "part"
+    part = runs(*tiny, *ASYNC_NO_DROPS, f"run_dir={run_dir}")
+    wait_for_lines(run_dir / "metrics.jsonl", 2, part.proc)
+    part.proc.send_signal(signal.SIGTERM)  # the worker runs ahead by up to (k + 1) * 4 groups: some done, some not
+    code, lines = part.finish()
+    done = len(steps(run_dir))
+    assert code == 143, lines[-5:]
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    saved = json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())["source"]
+    queued = [(g[0]["group_id"], min(min(t["versions"]) for t in g)) for g in saved["queued"]]
+    assert queued or saved["requeued"], "nothing was queued or in flight at the stop: the test proves nothing"
+    vcpo("train", "--resume", str(run_dir))
+
+    records = trained_groups(run_dir)
+    assert [r["step"] for r in records] == [t for t in range(1, 9) for _ in range(4)]
+    # none skipped, none twice: what the uninterrupted run trains (ASYNC_NO_DROPS)
+    assert sorted(r["prompt_index"] for r in records) == list(range(32))
+    # first the groups that had finished at the stop, as generated (their versions and lengths kept), then the
+    # prompts that were in flight, generated again
+    after = records[4 * done:]
+    assert [(r["prompt_index"], r["version"]) for r in after[:len(queued)]] == queued[:len(after)]
+    lengths = {g[0]["group_id"]: sum(len(t["response_ids"]) for t in g) / len(g) for g in saved["queued"]}
+    assert all(r["length_mean"] == lengths[r["prompt_index"]] for r in after[:len(queued)])
+    regenerated = [r["prompt_index"] for r in after[len(queued):]]
+    assert regenerated == saved["requeued"][:len(regenerated)]
+    # (a saved group beyond the bound after a resume is dropped and counted: tests/test_process_lifecycle.py)
 
 
 def test_a_failed_resume_leaves_config_yaml_as_it_was(tmp_path):

@@ -1,6 +1,7 @@
 """Process lifecycle, piece by piece: the first SIGTERM asks the loop to stop and the second forces it, a child
 dies with its parent however the parent dies, and a stuck rollout worker (holding its weight lock, or silent
-while it holds groups) is an error naming it, never a hang."""
+while it holds groups) is an error naming it, never a hang; the async source's checkpoint keeps every group it admitted
+and did not train."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ import transformers
 from vcpo.errors import RunFailed
 from vcpo.orchestration.async_local import AsyncSource, WorkerSpec, _Worker
 from vcpo.train.signals import ForcedExit, StopRequested, StopSignals
-from vcpo.types import SamplingParams
+from vcpo.types import SamplingParams, Trajectory
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -122,4 +124,47 @@ def test_a_worker_silent_while_it_holds_groups_is_named(tmp_path):
     with pytest.raises(RunFailed, match=r"rollout worker 0 sent nothing for [0-9.]+ s while holding 4 group\(s\) "
                                         r"\(async.handoff_timeout_s=0.2\)"):
         source.next_batch(0)
+    worker_end.close()
+
+
+def finished_group(index: int, version: int, length: int) -> list[Trajectory]:
+    """Two responses of ``length`` tokens to prompt ``index``, sampled with policy ``version``, rewards 0 and 1."""
+    return [Trajectory(problem_uid=f"p{index}", group_id=index, prompt_ids=[1], response_ids=[2] * length,
+                       behavior_logprobs=[-1.0] * length, versions=[version] * length, reward=float(i), finished=True,
+                       sampling=SamplingParams()) for i in range(2)]
+
+
+def test_an_async_checkpoint_keeps_every_admitted_group_not_yet_trained(tmp_path):
+    source, worker_end, _ = stuck_source(tmp_path, timeout_s=0.2)
+    source._admit()  # groups 0-3 admitted at version 0 (k = 1, P = 2), all held by the one worker
+    worker_end.send(("group", finished_group(0, 0, 3)))
+    worker_end.send(("group", finished_group(1, 0, 4)))
+    assert {t.group_id for t in source.next_batch(0)} == {0, 1}
+    source.publish(tiny_llama(), 1)  # step 1 done: groups 4, 5 admitted ((1 + 1 + 1) * 2 = 6)
+    worker_end.send(("group", finished_group(2, 0, 7)))
+    with pytest.raises(RunFailed, match="sent nothing"):  # step 2 ends with one group taken (a signal would too)
+        source.next_batch(1)
+    worker_end.send(("group", finished_group(4, 1, 5)))  # sent, not yet received
+    state = source.state()
+    # finished: the abandoned step's group, then the one in the pipe, with their tokens and versions;
+    # unfinished: the indices the worker still held
+    assert [(g[0]["group_id"], len(g[0]["response_ids"]), g[0]["versions"][0]) for g in state["queued"]] == [
+        (2, 7, 0), (4, 5, 1)]
+    assert (state["next_group"], state["requeued"]) == (6, [3, 5])
+    worker_end.close()
+
+    spec = replace(source.spec, handoff_timeout_s=0.2)
+    resumed = AsyncSource(tiny_llama(), spec, num_workers=1, max_staleness=0, drop_older_than=None, start_version=1)
+    resumed.load_state(state)
+    assert resumed.state() | {"next_group": 0} == state | {"next_group": 0}  # round trip, before any worker starts
+    assert resumed.controller.stats.admitted == 1 * 2 + 4  # 2 trained, 4 admitted and not trained
+    # Under k = 0 at version 1, group 2 (version 0) is dropped and counted; group 4 is trained; 3 and 5 go first
+    results, worker_end = multiprocessing.Pipe(duplex=False)
+    _, tickets = multiprocessing.Pipe(duplex=False)
+    resumed.workers = [_Worker(FakeProcess(), tickets, results, multiprocessing.Lock())]
+    resumed._admit()
+    assert resumed.workers[0].held == [3, 5]  # capacity (0 + 1 + 1) * 2 = 4 <= 6 admitted: nothing new
+    worker_end.send(("group", finished_group(3, 1, 6)))
+    assert [t.group_id for t in resumed.next_batch(1)] == [4, 4, 3, 3]
+    assert resumed.metrics()["staleness/dropped_over_bound"] == 1
     worker_end.close()

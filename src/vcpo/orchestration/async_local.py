@@ -9,7 +9,9 @@ it. With inference servers (``rollout.engine: server``) the workers are HTTP cli
 in the learner's process brings every server to each new version instead. A worker that dies is noticed at
 once (its process sentinel) and restarted with the groups it held, up to ``max_restarts`` times; a worker
 silent for ``handoff_timeout_s`` while it holds groups, or holding its weight lock that long, is an error
-naming it. Nothing here ever waits without a deadline.
+naming it. Nothing here ever waits without a deadline. A checkpoint keeps the finished groups not yet trained (with
+their tokens and versions) and the indices of those still being generated, so that a resumed run trains every group
+of the stream once (``state``, ``load_state``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rich.console import Console
 
 from vcpo.errors import RunFailed, signal_name
 from vcpo.models.lora import sync_state_dict
+from vcpo.orchestration.base import trajectory_from_dict, trajectory_to_dict
 from vcpo.orchestration.filtering import DynamicSampling
 from vcpo.orchestration.staleness import StalenessController
 from vcpo.orchestration.tally import GroupTally
@@ -91,7 +94,12 @@ class AsyncSource:
         self.restarts = 0
         self._before: dict[str, int] = {}  # counts of earlier processes of this run (resume)
         self._failure: str | None = None
+        # Every admitted group not yet trained is in one of: a worker's held indices, the inbox (received), or the
+        # groups taken for the batch of the step in progress (until its publish). It enters the next before it
+        # leaves the last (a signal may end next_batch anywhere), and state() keeps one copy of each.
         self._inbox: deque[list[Trajectory]] = deque()  # groups received, not yet handed to next_batch
+        self._taken: list[list[Trajectory]] = []
+        self._reissue: list[int] = []  # admitted before a resume, unfinished then: issued first, ahead of new ones
         self.sampling = sampling
         self.tally = GroupTally()
         self._batch_metrics: dict[str, float] = {}  # groups/* and filter/* of the last batch
@@ -111,7 +119,11 @@ class AsyncSource:
         return _Worker(process, ticket_writer, result_reader, lock)
 
     def _admit(self) -> None:
-        """Issue every group the staleness bound admits now, each to the worker holding the fewest."""
+        """Issue the groups a resumed run had admitted and not finished (admitted already), then every group the
+        staleness bound admits now, each to the worker holding the fewest."""
+        for index in self._reissue:
+            self._send(min(self.workers, key=lambda w: len(w.held)), index)
+        self._reissue = []
         while self.controller.try_admit() is not None:
             self._send(min(self.workers, key=lambda w: len(w.held)), self.next_group)
             self.next_group += 1
@@ -160,9 +172,9 @@ class AsyncSource:
         if kind == "error":
             worker.error = payload
         else:
+            self._inbox.append(payload)
             if payload[0].group_id in worker.held:
                 worker.held.remove(payload[0].group_id)
-            self._inbox.append(payload)
         return True
 
     def _bury(self, worker: _Worker, defer: bool = False) -> _Worker | None:
@@ -172,7 +184,8 @@ class AsyncSource:
         return self._replace(worker, defer)
 
     def _receive(self) -> list[Trajectory]:
-        """The next finished group from any worker; a worker that died is replaced as soon as it is seen."""
+        """The next finished group from any worker, left at the head of the inbox for the caller to take; a worker
+        that died is replaced as soon as it is seen."""
         while not self._inbox:
             by_conn = {w.results: w for w in self.workers}
             by_sentinel = {w.process.sentinel: w for w in self.workers}
@@ -187,7 +200,7 @@ class AsyncSource:
                 if w.held and now - w.last_heard > self.spec.handoff_timeout_s:
                     raise RunFailed(f"rollout worker {i} sent nothing for {now - w.last_heard:.1f} s while holding "
                                     f"{len(w.held)} group(s) (async.handoff_timeout_s={self.spec.handoff_timeout_s:g})")
-        return self._inbox.popleft()
+        return self._inbox[0]
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         if not self.workers:  # start on the first request, after any load_state
@@ -204,12 +217,14 @@ class AsyncSource:
         while kept < self.P:
             group = self._receive()
             if self.controller.keep(group, learner_version):
+                self._taken.append(group)
                 batch.extend(group)
                 kept += 1
                 self.tally.add(group, "trained")
             else:
                 self.tally.add(group, "dropped")
                 self._admit()  # the drop freed admission capacity
+            self._inbox.popleft()
         self._batch_metrics = self.tally.take()
         return batch
 
@@ -222,10 +237,14 @@ class AsyncSource:
             if not self.controller.keep(group, learner_version):
                 self.tally.add(group, "dropped")
                 self._admit()  # the drop freed admission capacity
-            elif not fill.offer(group):
+            elif fill.offer(group):
+                self._taken.append(group)
+            else:
                 self.controller.release()
                 self._admit()
+            self._inbox.popleft()
         groups, filter_metrics = fill.result()
+        self._taken = list(groups)  # at the cap, with the fillers
         self.controller.reclaim(fill.reclaimed)
         fill.record(self.tally)
         self._batch_metrics = filter_metrics | self.tally.take()
@@ -249,7 +268,8 @@ class AsyncSource:
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Copy the new weights into shared memory under every worker's lock (or publish them to the servers),
-        then admit what the bound allows."""
+        then admit what the bound allows. The batch just trained is no longer the source's to keep."""
+        self._taken = []
         if self.publisher is not None:
             t0 = time.perf_counter()
             self.publisher.publish(sync_state_dict(model), version)  # every server paused, updated, resumed
@@ -291,15 +311,41 @@ class AsyncSource:
             out["time/weight_publish_s"] = self.publish_s
         return out
 
+    def _drain(self) -> None:
+        """Move every group the workers have sent already into the inbox, without waiting for more."""
+        for w in self.workers:
+            try:
+                while not w.results.closed and w.results.poll(0) and self._take(w):
+                    pass
+            except (OSError, EOFError):  # a dead worker: what it held is re-issued on resume
+                pass
+
     def state(self) -> dict[str, Any]:
+        """The stream cursor, the running totals, and every admitted group not yet trained: ``queued`` (finished,
+        each group's trajectories with their tokens, log-probs and versions, in arrival order) and ``requeued`` (the
+        indices still being generated, or never started: regenerated first after a resume). A step in progress (a
+        signal or an error ended it before its update) gives its groups back, ahead of the others."""
+        self._drain()
         m = self.metrics()
+        finished = list({group[0].group_id: group for group in [*self._taken, *self._inbox]}.values())
+        ids = {group[0].group_id for group in finished}
+        unfinished = sorted({*self._reissue, *(i for w in self.workers for i in w.held)} - ids)
         return {"next_group": self.next_group, "dropped_over_bound": int(m["staleness/dropped_over_bound"]),
-                "dropped_alpha": int(m["staleness/dropped_alpha"]), "worker_restarts": int(m["async/worker_restarts"])}
+                "dropped_alpha": int(m["staleness/dropped_alpha"]), "worker_restarts": int(m["async/worker_restarts"]),
+                "queued": [[trajectory_to_dict(t) for t in group] for group in finished], "requeued": unfinished}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """Continue a run: its next group index and its running totals (the restart budget is per process)."""
+        """Continue a run: its next group index, its running totals (the restart budget is per process) and the
+        groups it had admitted but not trained. Those count as admitted (the staleness bound's capacity); the finished
+        ones are trained first, or dropped and counted at batch time when they lag beyond the bound, as any group is;
+        the unfinished ones are generated again, before any new group. A checkpoint without them (older vcpo) resumes
+        at ``next_group``, so the groups it had admitted are not trained."""
         self.next_group = int(state.get("next_group", self.next_group))
         self._before = {k: int(state.get(k, 0)) for k in ("dropped_over_bound", "dropped_alpha", "worker_restarts")}
+        queued = [[trajectory_from_dict(d) for d in group] for group in state.get("queued", [])]
+        self._inbox.extend(queued)
+        self._reissue = [int(i) for i in state.get("requeued", [])]
+        self.controller.stats.admitted += len(queued) + len(self._reissue)
 
     def close(self) -> None:
         """Close every worker's pipes (it exits at end-of-file), wait a little, then kill what is left."""
