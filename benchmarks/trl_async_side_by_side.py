@@ -1,6 +1,9 @@
 """Three losses inside TRL's asynchronous GRPO trainer, side by side (issue 44, item 2): TRL's own PPO-clip loss,
 VCPO (sequence TIS cap 8, OPOB ``grad_only`` with the logit proxy, ESS learning rate) and VESPO (GRPO advantages),
 each at a small and a large ``max_staleness``, over seeds, with the same model, task, rollout worker and budget.
+Beside them, ``vcpo_native``: the same VCPO configuration trained by vcpo's own asynchronous trainer (``vcpo train``
+with ``async.mode: async``, its own rollout worker and staleness bound ``async.max_staleness``), on the same model,
+problems, batch, learning rate and step budget, scored by the same held-out check.
 
 The work is vcpo's quickstart: the embedded tiny Llama warm-started by SFT on two-term ``chain_sum`` (cached by
 ``configs/quickstart.yaml``'s ``sft``), ``LocalRolloutWorker`` generating in a thread beside TRL's training loop.
@@ -42,6 +45,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "vcpo": {"objective": "vcpo", "advantage_estimator": "opob", "opob_variant": "grad_only",
              "grad_norm_method": "logit_proxy", "ess_lr_rule": "sqrt"},
     "vespo": {"objective": "vespo", "advantage_estimator": "trl", "ess_lr_rule": None},
+    "vcpo_native": {},  # the vcpo arm's configuration in vcpo's own async trainer (native_overrides)
 }
 
 
@@ -70,6 +74,49 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: Any, problems: list[Any],
                            SamplingParams(max_new_tokens=max_new_tokens), greedy=True)
     completions = [tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
     return sum(ExactAnswer()(completions, [p.answer for p in problems])) / len(problems)
+
+
+def native_overrides(staleness: int, seed: int, model_dir: Path, run_dir: Path,
+                     args: argparse.Namespace) -> list[str]:
+    """``vcpo train`` overrides of configs/quickstart.yaml giving the ``vcpo`` arm's configuration (sequence TIS cap
+    8, OPOB ``grad_only`` with the logit proxy, ESS learning rate by the sqrt rule, reference 1) and the side by
+    side's budget, in vcpo's own asynchronous trainer with staleness bound ``staleness``."""
+    return [f"seed={seed}", f"run_dir={run_dir}", f"model.path={model_dir}", "objective.name=vcpo",
+            "advantage.estimator=opob", "advantage.opob_variant=grad_only", "advantage.grad_norm_method=logit_proxy",
+            "trainer.ess_lr.enabled=true", "trainer.ess_lr.rule=sqrt", "trainer.ess_lr.reference=1.0",
+            f"trainer.lr={args.lr}", f"trainer.max_steps={args.steps}", "trainer.eval_every=0",
+            f"trainer.checkpoint_every={args.steps}", f"rollout.prompts_per_step={args.groups_per_step}",
+            f"rollout.group_size={args.group_size}", f"rollout.max_new_tokens={args.max_new_tokens}",
+            "async.mode=async", f"async.max_staleness={staleness}", "logging.progress=false"]
+
+
+def run_native(staleness: int, seed: int, model_dir: Path, eval_problems: list[Any],
+               args: argparse.Namespace) -> dict[str, Any]:
+    """One run of vcpo's own asynchronous trainer with the ``vcpo`` arm's configuration; the same row as ``run``."""
+    from vcpo.train.checkpoint import load_checkpoint
+    from vcpo.train.trainer import train as vcpo_train
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with tempfile.TemporaryDirectory() as out:
+        config = load_config("configs/quickstart.yaml", native_overrides(staleness, seed, model_dir, Path(out), args))
+        start = time.perf_counter()
+        vcpo_train(config)
+        seconds = time.perf_counter() - start
+        steps = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        steps = [m for m in steps if "ess/ratio" in m]
+        policy = AutoModelForCausalLM.from_pretrained(model_dir)
+        load_checkpoint(Path(out) / "checkpoints" / f"step_{args.steps:06d}", policy)
+    return {
+        "arm": "vcpo_native", "max_staleness": staleness, "seed": seed, "steps": len(steps),
+        "accuracy": greedy_accuracy(policy, tokenizer, eval_problems, args.max_new_tokens),
+        "seconds_per_step": seconds / max(len(steps), 1),  # includes vcpo's start (workers, the first eval)
+        "staleness_mean": statistics.fmean(m.get("staleness/mean", 0.0) for m in steps),
+        "staleness_max": max(m.get("staleness/max", 0.0) for m in steps),
+        # groups dropped over the bound, a running count, in samples as TRL counts them
+        "dropped_stale": steps[-1].get("staleness/dropped_over_bound", 0.0) * args.group_size,
+        "ess_ratio_mean": statistics.fmean(m["ess/ratio"] for m in steps),
+        "train_reward_last10": statistics.fmean(m.get("reward/mean", math.nan) for m in steps[-10:]),
+    }
 
 
 def run(arm: str, staleness: int, seed: int, model_dir: Path, train: Dataset, eval_problems: list[Any],
@@ -170,7 +217,8 @@ def main() -> None:
     for seed in args.seeds:
         for staleness in args.staleness:
             for arm in args.arms:
-                row = run(arm, staleness, seed, model_dir, train, eval_problems, args)
+                row = (run_native(staleness, seed, model_dir, eval_problems, args) if arm == "vcpo_native"
+                       else run(arm, staleness, seed, model_dir, train, eval_problems, args))
                 rows.append(row)
                 with open(args.out / "runs.jsonl", "a") as f:
                     f.write(json.dumps(row) + "\n")
