@@ -26,12 +26,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from vcpo.metrics import METRICS_FILE, read_metrics
 from vcpo.study.bias import bias_figures, group_counts
 from vcpo.study.stats import t_interval
 from vcpo.tasks.tool_task import ToolTask
 from vcpo.train.run_dir import TRAINED_GROUPS_FILE
 
+ROOT = Path(__file__).resolve().parents[1]
 WARM_START = "benchmarks/staleness/warm_starts_tools/w0"
 
 
@@ -49,9 +52,10 @@ class StragglingToolTask(ToolTask):
 
 
 def straggling_tools(jitter_s: float = 0.0, **kwargs: Any) -> StragglingToolTask:
-    """``task.name: benchmarks.length_bias:straggling_tools`` (``task.kwargs`` as configs/tools.yaml's, plus
-    ``jitter_s``)."""
-    return StragglingToolTask(jitter_s, **kwargs)
+    """``task.name: benchmarks.length_bias:straggling_tools``: configs/tools.yaml's task (a new task.name on the
+    command line drops the file's task.kwargs, so they are read here), ``kwargs`` over them, and ``jitter_s``."""
+    tools = yaml.safe_load((ROOT / "configs" / "tools.yaml").read_text())["task"]["kwargs"]
+    return StragglingToolTask(jitter_s, **{**tools, **kwargs})
 
 
 def run(arm: str, alpha: str, seed: int, out: Path, args: argparse.Namespace) -> Path:
@@ -61,7 +65,8 @@ def run(arm: str, alpha: str, seed: int, out: Path, args: argparse.Namespace) ->
                         f"seed={seed}", f"model.path={WARM_START}", "task.name=benchmarks.length_bias:straggling_tools",
                         f"task.kwargs.jitter_s={args.jitter_s}", "async.mode=async",
                         f"async.max_staleness={args.k}", f"async.drop_older_than={alpha}",
-                        f"async.num_workers={args.workers}", f"trainer.max_steps={args.steps}", "trainer.eval_every=0",
+                        f"async.num_workers={args.workers}", *args.extra,
+                        f"trainer.max_steps={args.steps}", "trainer.eval_every=0",
                         f"task.eval_size={args.eval_size}", "trainer.checkpoint_every=0", "logging.progress=false"],
                        check=True)
     return run_dir
@@ -105,9 +110,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--jitter-s", type=float, default=0.5, help="the largest random pause per environment turn")
     parser.add_argument("--eval-size", type=int, default=20)
+    parser.add_argument("--arms", default="bound_only,drop_older_than", help="which of the two arms to run")
     parser.add_argument("--out", type=Path, default=Path("runs/length_bias"))
+    parser.add_argument("--prefix", default="", help="put before every arm's name (runs with other --extra)")
+    parser.add_argument("extra", nargs="*", help="further config overrides for every run (key=value)")
     args = parser.parse_args()
-    arms = {"bound_only": "null", f"drop_older_than_{args.alpha}": args.alpha}
+    prefix = args.prefix
+    arms = {f"{prefix}{arm}" + (f"_{args.alpha}" if arm == "drop_older_than" else ""):
+            args.alpha if arm == "drop_older_than" else "null" for arm in args.arms.split(",")}
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "arms": {}}
     for arm, alpha in arms.items():
         runs = {seed: summarize(run(arm, alpha, seed, args.out, args)) for seed in args.seeds}
@@ -135,7 +145,7 @@ def main() -> None:
             print(f"  {figure}: generated {f['levels']['generated']:.3f}, trained {f['levels']['trained']:.3f}, "
                   f"dropped {'-' if dropped is None else f'{dropped:.3f}'}; "
                   f"trained - generated {f['diff_over_steps']} over steps, {f['diff_over_seeds']} over seeds")
-    (args.out / "length_bias.json").write_text(json.dumps(results, indent=1, default=str))
+    (args.out / f"{prefix}length_bias.json").write_text(json.dumps(results, indent=1, default=str))
 
 
 if __name__ == "__main__":
