@@ -343,14 +343,20 @@ def rerun(
 
 
 @app.command()
-def report(sweep_dir: Annotated[Path, typer.Argument(help="A directory written by `vcpo sweep`.")]) -> None:
-    """Write REPORT.md and PNG figures for a sweep: tables, collapse, early warning, claims checked."""
+def report(sweep_dir: Annotated[Path, typer.Argument(help="A directory written by `vcpo sweep`, or one run's "
+                                                      "run_dir.")]) -> None:
+    """Write REPORT.md and PNG figures for a sweep: tables, collapse, early warning, claims checked. For one run:
+    print what it trained against what it generated (groups' length and pass rate, trained - generated)."""
     from vcpo.errors import UserError
+    from vcpo.study.bias import run_report
     from vcpo.study.report import ReportError, write_report
 
     try:
-        console.print(f"wrote {write_report(sweep_dir)}")
-    except (UserError, ReportError) as exc:
+        if (sweep_dir / "cells").is_dir():
+            console.print(f"wrote {write_report(sweep_dir)}")
+        else:
+            print(run_report(sweep_dir), end="")
+    except (UserError, ReportError, FileNotFoundError) as exc:
         _fail(exc)
 
 

@@ -1,6 +1,7 @@
-"""`vcpo report SWEEP_DIR`: REPORT.md (provenance, per-run and per-(arm, k) tables with 95% intervals, collapse
-counts, early-warning rules tuned and held out, claims with paired comparisons) and PNG figures, read only from
-the cells' metrics.jsonl, summary.json, config.yaml and cell.json (plus sweep.json for the command).
+"""`vcpo report SWEEP_DIR`: REPORT.md (provenance, per-run and per-(arm, k) tables with 95% intervals, what was
+trained against what was generated, collapse counts, early-warning rules tuned and held out, claims with paired
+comparisons) and PNG figures, read only from the cells' metrics.jsonl, summary.json, config.yaml and cell.json (plus
+sweep.json for the command).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import yaml
 
 from vcpo.metrics import read_metrics
 from vcpo.study import detector as rules
+from vcpo.study.bias import sweep_bias_lines
 from vcpo.study.claims import by_run, claims, collapse_count, paired_difference
 from vcpo.study.collapse import (
     COLLAPSE_FRACTION,
@@ -242,6 +244,9 @@ def write_report(sweep_dir: str | Path) -> Path:
     out += ["", f"## Late accuracy minus {REFERENCE_ARM}'s, paired over runs (* : the interval excludes 0)", "",
             *_table({arm: {k: f"{iv}{' *' if iv.excludes_zero() else ''}" for k, iv in by_k.items() if iv}
                      for arm, by_k in paired.items()}, ks)]
+    if bias := sweep_bias_lines(cells):
+        out += ["", "## What was trained against what was generated (groups/*), mean [95% interval] over runs", "",
+                *bias]
     out += ["", "## Early warning", "", *_detector_lines(detector), "", "## Claims", "",
             *[f"- {line}" for line in claims(cells, ks, detector)], "", "## Figures", ""]
     initial = statistics.fmean(c["initial_accuracy"] for c in cells)
