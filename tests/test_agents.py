@@ -358,3 +358,28 @@ def test_sync_and_lagged_sources_leave_dropped_groups_out_count_them_and_stop_on
         assert source.metrics()["agent/dropped_groups"] == 2.0
         with pytest.raises(RunFailed, match="every group of batch 2 was dropped by the agent task"):
             source.next_batch(2)
+
+
+def test_an_agent_connection_idle_longer_than_uvicorns_default_keep_alive_is_still_open():
+    """An agent runs a tool between two calls on one pooled connection: uvicorn's default keep-alive (5 s) closed it
+    under the client, whose next call failed with a connection error (3 of 480 groups in a 60-step tool run)."""
+    import http.client
+
+    from fastapi import FastAPI
+
+    from vcpo.agents.endpoint import EndpointServer
+
+    app = FastAPI()
+    app.get("/ping")(lambda: {"ok": True})
+    server = EndpointServer(app)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", "/ping")
+        assert conn.getresponse().read() == b'{"ok":true}'
+        first = conn.sock
+        time.sleep(6)
+        conn.request("GET", "/ping")
+        assert conn.getresponse().read() == b'{"ok":true}' and conn.sock is first
+        conn.close()
+    finally:
+        server.close()

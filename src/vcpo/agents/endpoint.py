@@ -30,6 +30,7 @@ from vcpo.types import Generation
 
 HOST = "127.0.0.1"
 _STOP_S = 5.0
+KEEP_ALIVE_S = 600.0  # seconds an idle agent connection stays open (uvicorn closes it after 5 by default)
 
 
 class ChatRequest(BaseModel):
@@ -213,8 +214,10 @@ class EndpointServer:
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((HOST, 0))
         self.port = int(self._socket.getsockname()[1])
+        # An agent's connection idles while it runs a tool between calls; uvicorn's default 5 s keep-alive would
+        # close it under the client, whose next call then fails (a connection error the agent cannot tell apart).
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1,
-                                lifespan="off")
+                                lifespan="off", timeout_keep_alive=KEEP_ALIVE_S)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True,
                                         name="vcpo-agent-endpoint")

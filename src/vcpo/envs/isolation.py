@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -154,11 +155,17 @@ class JailedProcess:
         self.close()
 
 
+# CPython before 3.11.8 / 3.12.1 (gh-106905) can raise "SystemError: AST constructor recursion depth mismatch" when
+# two threads build ASTs at once, as an agent's concurrent episodes running tools do: one parse at a time.
+_AST_LOCK = threading.Lock()
+
+
 def parse_report(raw: bytes) -> dict[str, Any] | None:
     """The jail's one-line report (a dict literal, written before any untrusted code runs), or None when it sent
     none (or garbage)."""
     try:
-        report = ast.literal_eval(raw.split(b"\n", 1)[0].decode())
+        with _AST_LOCK:
+            report = ast.literal_eval(raw.split(b"\n", 1)[0].decode())
     except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
         return None
     return report if isinstance(report, dict) else None
