@@ -82,3 +82,23 @@ def test_sampled_metrics_are_seeded_and_pass_is_at_least_mean(tiny):
     assert set(first) == {"eval/accuracy", "eval/mean@4", "eval/pass@4"}
     greedy_only = evaluate(model, tokenizer, ExactMatch(), problems, EvalSettings(max_new_tokens=2))
     assert greedy_only.keys() == {"eval/accuracy"}
+
+
+def test_the_eval_table_shows_a_multi_turn_task_without_sampled_columns(tmp_path):
+    """A multi-turn task is evaluated on greedy episodes only (no mean@N / pass@N): `vcpo eval` printed its table
+    with a KeyError ('mean@8') after evaluating; the columns it lacks now show '-'."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from vcpo.train.eval_report import write_report
+
+    report = {"model": "m", "samples": 8, "temperature": 0.8, "top_p": 0.7, "datasets": {
+        "tools:products": {"problems": 4, "accuracy": 0.5, "time_s": 1.0},
+        "chain_sum": {"problems": 4, "accuracy": 0.25, "mean@8": 0.375, "pass@8": 0.75, "time_s": 1.0}}}
+    console = Console(file=StringIO(), width=200)
+    write_report(report, tmp_path / "eval.json", console)
+    text = console.file.getvalue()
+    assert "tools:products" in text and "0.500" in text and "0.375" in text and "0.750" in text
+    rows = [line for line in text.splitlines() if "tools:products" in line]
+    assert rows and rows[0].count("-") >= 2

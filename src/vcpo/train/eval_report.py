@@ -60,7 +60,8 @@ def write_report(report: dict[str, Any], out: Path, console: Console) -> None:
     table.add_column("dataset")
     for column in columns:
         table.add_column("greedy accuracy" if column == "accuracy" else column, justify="right")
-    for name, row in report["datasets"].items():
-        table.add_row(name, *(str(row[c]) if c == "problems" else f"{row[c]:.3f}" for c in columns))
+    for name, row in report["datasets"].items():  # a multi-turn task has no mean@N / pass@N (greedy episodes only)
+        table.add_row(name, *(str(row[c]) if c == "problems" else f"{row[c]:.3f}" if c in row else "-"
+                              for c in columns))
     console.print(table)
     console.print(f"written to {out}")
