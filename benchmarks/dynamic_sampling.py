@@ -14,7 +14,6 @@ training seconds). Each run is `vcpo train` in its own directory under OUT; fini
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from vcpo.metrics import METRICS_FILE, read_metrics  # noqa: E402
 from vcpo.study.stats import paired_difference, t_interval  # noqa: E402
 
 SETTINGS: dict[str, list[str]] = {
@@ -52,9 +52,8 @@ def run(setting: str, arm: str, seed: int, out: Path) -> Path:
 
 def read(run_dir: Path) -> dict:
     """Evaluations by step, cumulative training seconds at each step, groups generated per trained group."""
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals, seconds, total, per_trained = {}, {}, 0.0, []
-    for m in lines:
+    for m in read_metrics(run_dir / METRICS_FILE):
         if "time/step_s" in m:
             total += m["time/step_s"] - m.get("time/eval_s", 0.0)
             seconds[m["step"]] = total

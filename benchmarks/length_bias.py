@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from vcpo.metrics import METRICS_FILE, read_metrics
-from vcpo.study.bias import bias_figures, group_counts
+from vcpo.study.bias import KINDS, bias_figures, group_counts
 from vcpo.study.stats import t_interval
 from vcpo.tasks.tool_task import ToolTask
 from vcpo.train.run_dir import TRAINED_GROUPS_FILE
@@ -86,19 +86,13 @@ def lag_by_length(run_dir: Path) -> dict[str, float] | None:
 
 def summarize(run_dir: Path) -> dict[str, Any]:
     records = read_metrics(run_dir / METRICS_FILE)
-    figures = {f.figure: f for f in bias_figures(records)}
     out: dict[str, Any] = {"counts": group_counts(records), "differences": {}}
-    for name, f in figures.items():
-        out[name] = {k: (round(v, 4) if v is not None else None) for k, v in f.level.items()}
-        out["differences"][name] = [r_t - r_g for r_t, r_g in _per_step(records, name)]
+    for f in bias_figures(records):
+        out[f.figure] = {k: (round(v, 4) if v is not None else None) for k, v in f.level.items()}
+        out["differences"][f.figure] = f.differences
     out["lag"] = lag_by_length(run_dir)
     out["wall_s"] = json.loads((run_dir / "summary.json").read_text())["wall_time_s"]
     return out
-
-
-def _per_step(records: list[dict], figure: str) -> list[tuple[float, float]]:
-    return [(r[f"groups/trained_{figure}"], r[f"groups/generated_{figure}"]) for r in records
-            if f"groups/trained_{figure}" in r and f"groups/generated_{figure}" in r]
 
 
 def main() -> None:
@@ -127,7 +121,7 @@ def main() -> None:
             per_run = [statistics.fmean(r["differences"][figure]) for r in runs.values()]
             levels = {kind: statistics.fmean(r[figure][kind] for r in runs.values() if r[figure][kind] is not None)
                       if any(r[figure][kind] is not None for r in runs.values()) else None
-                      for kind in ("generated", "trained", "dropped")}
+                      for kind in KINDS}
             arm_out[figure] = {"levels": levels, "diff_over_steps": str(t_interval(pooled)),
                                "diff_over_seeds": str(t_interval(per_run))}
         counts = [r["counts"] for r in runs.values()]

@@ -93,6 +93,7 @@ def native_overrides(staleness: int, seed: int, model_dir: Path, run_dir: Path,
 def run_native(staleness: int, seed: int, model_dir: Path, eval_problems: list[Any],
                args: argparse.Namespace) -> dict[str, Any]:
     """One run of vcpo's own asynchronous trainer with the ``vcpo`` arm's configuration; the same row as ``run``."""
+    from vcpo.metrics import METRICS_FILE, read_metrics
     from vcpo.train.checkpoint import load_checkpoint
     from vcpo.train.trainer import train as vcpo_train
 
@@ -102,8 +103,7 @@ def run_native(staleness: int, seed: int, model_dir: Path, eval_problems: list[A
         start = time.perf_counter()
         vcpo_train(config)
         seconds = time.perf_counter() - start
-        steps = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-        steps = [m for m in steps if "ess/ratio" in m]
+        steps = [m for m in read_metrics(Path(out) / METRICS_FILE) if "ess/ratio" in m]
         policy = AutoModelForCausalLM.from_pretrained(model_dir)
         load_checkpoint(Path(out) / "checkpoints" / f"step_{args.steps:06d}", policy)
     return {

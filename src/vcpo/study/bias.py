@@ -19,10 +19,12 @@ FIGURES = (("length_mean", "mean length (tokens)"), ("pass_rate", "pass rate"))
 class BiasFigure:
     """One figure (``length_mean`` or ``pass_rate``) of a run: each kind's level over the run, pooled over its groups
     (sum over steps of count x step mean, over the total count; None when the run had no group of that kind), and the
-    per-step difference trained minus generated with its t interval over the steps that trained something."""
+    per-step differences trained minus generated (``differences``) with their t interval over the steps that trained
+    something."""
 
     figure: str
     level: dict[str, float | None]
+    differences: list[float]
     difference: Interval | None
 
 
@@ -54,7 +56,7 @@ def bias_figures(records: list[dict[str, Any]]) -> list[BiasFigure]:
             level[kind] = sum(n * m for n, m in pairs) / total if total else None
         steps = [(_number(r, f"groups/trained_{figure}"), _number(r, f"groups/generated_{figure}")) for r in records]
         differences = [t - g for t, g in steps if t is not None and g is not None]
-        out.append(BiasFigure(figure, level, t_interval(differences) if differences else None))
+        out.append(BiasFigure(figure, level, differences, t_interval(differences) if differences else None))
     return out
 
 
