@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vcpo.orchestration.filtering import DynamicSampling, StepFill, informative
+from vcpo.config import load_config
+from vcpo.orchestration.filtering import DynamicSampling, StepFill, in_band, informative
 from vcpo.orchestration.staleness import StalenessController
 from vcpo.orchestration.tally import GroupTally
 from vcpo.types import SamplingParams, Trajectory
@@ -29,6 +30,37 @@ def test_a_group_is_informative_when_its_rewards_differ():
     assert informative(_group(0, [0.5, 0.25]))
     assert not informative(_group(0, [1.0, 1.0, 1.0]))
     assert not informative(_group(0, [0.0, 0.0]))
+
+
+def test_the_pass_rate_band_keeps_informative_groups_inside_it_ends_included():
+    band = DynamicSampling(2, 4.0, (0.2, 0.8))
+    assert band.keeps(_group(0, [1, 0, 0, 0, 0]))  # 0.2: the low end
+    assert band.keeps(_group(0, [1, 1, 1, 1, 0]))  # 0.8: the high end
+    assert band.keeps(_group(0, [1, 0]))  # 0.5
+    assert not band.keeps(_group(0, [1, 0, 0, 0, 0, 0, 0, 0]))  # 0.125: solved once in eight
+    assert not band.keeps(_group(0, [1, 1, 1, 1, 1, 1, 1, 0]))  # 0.875
+    assert not band.keeps(_group(0, [0.5, 0.5]))  # in the band but without signal
+    assert in_band(_group(0, [0.5, 0.5]), (0.2, 0.8)) and not in_band(_group(0, [1, 1]), (0.2, 0.8))
+    # the default band is the zero-variance rule alone
+    for rewards in ([1, 0, 0, 0, 0, 0, 0, 0], [1, 1], [0, 0], [0.25, 0.5]):
+        assert DynamicSampling(2, 4.0).keeps(_group(0, rewards)) == informative(_group(0, rewards))
+
+
+def test_a_step_under_a_band_drops_and_refills_groups_outside_it():
+    # P = 2, band [0.25, 0.75]: 1/8 (dropped), 1/2 (kept), tie (dropped), 3/4 (kept) -> 2 of 4 dropped
+    fill = DynamicSampling(2, 4.0, (0.25, 0.75)).fill()
+    for gid, rewards in enumerate([[1, 0, 0, 0, 0, 0, 0, 0], [1, 0], [1, 1], [1, 1, 1, 0]]):
+        fill.offer(_group(gid, rewards))
+    groups, m = fill.result()
+    assert fill.done and [g[0].group_id for g in groups] == [1, 3] and m["filter/dropped_frac"] == 0.5
+
+
+def test_the_trainer_builds_the_band_from_the_config():
+    from vcpo.train.trainer import dynamic_sampling
+    band = ["rollout.filter=zero_variance", "rollout.filter_pass_rate=[0.2,0.8]", "rollout.filter_max_factor=3"]
+    config = load_config("configs/quickstart.yaml", band)
+    assert dynamic_sampling(config) == DynamicSampling(config.rollout.prompts_per_step, 3.0, (0.2, 0.8))
+    assert dynamic_sampling(load_config("configs/quickstart.yaml", [])) is None
 
 
 def test_the_cap_is_floor_of_factor_times_groups_and_never_below_one_step():
@@ -114,6 +146,8 @@ def test_a_step_records_what_it_trained_and_what_it_left_out():
 @pytest.mark.parametrize(("override", "named"), [
     ("rollout.filter=sometimes", "rollout.filter"),
     ("rollout.filter_max_factor=0.5", "rollout.filter_max_factor"),
+    ("rollout.filter_pass_rate=[0.9,0.8]", "rollout.filter_pass_rate"),  # low above high
+    ("rollout.filter_pass_rate=[0.2,0.8]", "rollout.filter_pass_rate"),  # a band with the filter off
 ])
 def test_a_bad_filter_key_is_one_line_naming_it(override, named):
     proc = vcpo("train", "-c", "configs/quickstart.yaml", override, check=False)

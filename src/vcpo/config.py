@@ -279,6 +279,12 @@ class RolloutConfig(_Strict):
     """With ``filter: zero_variance``, the most groups a step generates per group it trains (a cap of
     floor(this x prompts_per_step) groups); a step that reaches it trains on what it has, topped up with dropped
     groups (``filter/cap_hit`` = 1)."""
+    filter_pass_rate: tuple[float, float] = (0.0, 1.0)
+    """With ``filter: zero_variance``, the band [low, high] of a group's pass rate (its mean reward: the fraction
+    correct for 0/1 rewards) that a step keeps, on top of the zero-variance rule; groups outside it are dropped and
+    refilled like groups without signal. The default [0, 1] keeps every informative group; online difficulty
+    filtering (PRIME) uses [0.2, 0.8], which for groups of 8 with 0/1 rewards also drops prompts solved once or
+    seven times."""
     server: ServerConfig = Field(default_factory=ServerConfig)
     study_mismatch_std: float = Field(0.0, ge=0)
     """STUDY ONLY, off (0) by default: simulate a sampler/learner kernel mismatch by adding reward-independent noise
@@ -762,6 +768,12 @@ class Config(_Strict):
         if self.rollout.filter != "none" and self.rollout.group_size < 2:
             raise ValueError(f"rollout.filter={self.rollout.filter} needs rollout.group_size >= 2 (got "
                              f"{self.rollout.group_size}): a group of one has no reward spread to judge")
+        low, high = self.rollout.filter_pass_rate
+        if low > high:
+            raise ValueError(f"rollout.filter_pass_rate=[{low:g}, {high:g}]: the low end is above the high end")
+        if (low, high) != (0.0, 1.0) and self.rollout.filter == "none":
+            raise ValueError(f"rollout.filter_pass_rate=[{low:g}, {high:g}] needs rollout.filter=zero_variance (got "
+                             f"none): the band only chooses among the groups dynamic sampling judges")
         return self
 
     @model_validator(mode="after")

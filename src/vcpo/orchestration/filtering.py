@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from vcpo.orchestration.tally import GroupTally
+from vcpo.orchestration.tally import GroupTally, group_pass_rate
 from vcpo.types import Trajectory
 
 
@@ -20,12 +21,24 @@ def informative(group: list[Trajectory]) -> bool:
     return max(rewards_G) != min(rewards_G)
 
 
+def in_band(group: list[Trajectory], band: tuple[float, float]) -> bool:
+    """Whether the group's pass rate (its mean reward) lies in ``band`` = [low, high], ends included."""
+    low, high = band
+    return low <= group_pass_rate(group) <= high
+
+
 @dataclass(frozen=True)
 class DynamicSampling:
-    """``rollout.filter: zero_variance`` with ``rollout.filter_max_factor``, for ``groups_per_step`` groups a step."""
+    """``rollout.filter: zero_variance`` with ``rollout.filter_max_factor``, for ``groups_per_step`` groups a step;
+    ``pass_rate_band`` (``rollout.filter_pass_rate``) also drops informative groups whose pass rate lies outside it."""
 
     groups_per_step: int
     max_factor: float
+    pass_rate_band: tuple[float, float] = (0.0, 1.0)
+
+    def keeps(self, group: list[Trajectory]) -> bool:
+        """Whether a finished group is trained: it has signal and its pass rate lies in the band."""
+        return informative(group) and in_band(group, self.pass_rate_band)
 
     @property
     def cap(self) -> int:
@@ -35,7 +48,7 @@ class DynamicSampling:
 
     def fill(self) -> StepFill:
         """A new step's fill."""
-        return StepFill(self.groups_per_step, self.cap)
+        return StepFill(self.groups_per_step, self.cap, self.keeps)
 
 
 class StepFill:
@@ -44,8 +57,9 @@ class StepFill:
     cap trains on what it has: its informative groups, topped up to ``groups_per_step`` with the first
     uninformative ones judged (so the batch keeps its size and is never empty)."""
 
-    def __init__(self, groups_per_step: int, cap: int) -> None:
-        self.P, self.cap = groups_per_step, cap
+    def __init__(self, groups_per_step: int, cap: int,
+                 keeps: Callable[[list[Trajectory]], bool] = informative) -> None:
+        self.P, self.cap, self.keeps = groups_per_step, cap, keeps
         self.kept: list[list[Trajectory]] = []
         self.dropped: list[list[Trajectory]] = []
         self.first_full_s: float | None = None  # when the step had judged its first P groups
@@ -64,8 +78,8 @@ class StepFill:
         return self.cap - self.judged
 
     def offer(self, group: list[Trajectory]) -> bool:
-        """Judge one finished group; True if it is kept (informative), False if dropped."""
-        keep = informative(group)
+        """Judge one finished group; True if it is kept (informative, and in the pass-rate band), False if dropped."""
+        keep = self.keeps(group)
         (self.kept if keep else self.dropped).append(group)
         if self.judged == self.P:
             self.first_full_s = time.perf_counter()
@@ -81,7 +95,7 @@ class StepFill:
         return self.kept[: self.P] + self.dropped[: self.reclaimed]
 
     def left_out(self) -> list[list[Trajectory]]:
-        """The judged groups the step does not train: those without signal (fillers aside) and a round's surplus."""
+        """The judged groups the step does not train: those dropped (fillers aside) and a round's surplus."""
         return self.kept[self.P:] + self.dropped[self.reclaimed:]
 
     def record(self, tally: GroupTally) -> None:
@@ -94,7 +108,7 @@ class StepFill:
     def result(self) -> tuple[list[list[Trajectory]], dict[str, float]]:
         """The step's groups, the first P informative ones (at the cap: all of them and the first uninformative
         fillers), and its metrics, taken now:
-        - ``filter/dropped_frac``: the judged groups' fraction without signal;
+        - ``filter/dropped_frac``: the judged groups' fraction without signal or outside the pass-rate band;
         - ``filter/groups_per_trained``: groups judged per group trained (surplus informative groups of a round count
           as generated, not trained);
         - ``filter/extra_rollout_s``: seconds from the step's first P judged groups to its full batch (what refilling

@@ -124,7 +124,8 @@ def make_source(config: Config, learner: Learner, tokenizer, task, model_path: P
 def dynamic_sampling(config: Config) -> DynamicSampling | None:
     """``rollout.filter`` as every source applies it (None: ``none``, every group is trained)."""
     rc = config.rollout
-    return None if rc.filter == "none" else DynamicSampling(rc.prompts_per_step, rc.filter_max_factor)
+    return None if rc.filter == "none" else DynamicSampling(rc.prompts_per_step, rc.filter_max_factor,
+                                                             rc.filter_pass_rate)
 
 
 def _generating_source(config: Config, learner: Learner, tokenizer, task, model_path: Path, backend,
