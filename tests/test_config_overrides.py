@@ -30,6 +30,19 @@ def test_changing_task_name_drops_the_files_kwargs_in_any_order(sums, order):
     assert task.eval_size == 500  # the rest of the file's task section stays
 
 
+def test_dropping_the_files_kwargs_is_said_in_one_line_naming_them(sums, caplog):
+    with caplog.at_level("WARNING", logger="vcpo.config"):
+        load_config(QUICKSTART, ["task.name=jsonl", f"task.kwargs.path={sums}"])
+    assert [r.getMessage() for r in caplog.records] == [
+        "note: task.name=jsonl replaces chain_sum, so the file's task.kwargs (min_terms, max_terms, min_digits, "
+        "max_digits) are dropped; give the new one its own as task.kwargs.KEY=VALUE"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vcpo.config"):
+        load_config(QUICKSTART, ["task.name=chain_sum", "trainer.lr=1e-4"])  # same name: nothing dropped
+        load_config(None, ["task.name=products"])  # no file kwargs to drop
+    assert caplog.records == []
+
+
 def test_a_task_named_without_kwargs_gets_none_and_one_error_says_what_it_needs():
     assert load_config(QUICKSTART, ["task.name=products"]).task.kwargs == {}
     with pytest.raises(ConfigError, match=r"^task 'jsonl' needs task.kwargs.path"):
@@ -65,6 +78,7 @@ def test_the_command_line_applies_the_same_rules(sums):
     proc = vcpo("config", "show", "-c", "configs/quickstart.yaml", "task.name=jsonl", f"task.kwargs.path={sums}")
     assert f"task.kwargs: {{path: {sums}}}  * default {{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2}}" \
         in proc.stdout.splitlines()
+    assert proc.stderr.startswith("note: task.name=jsonl replaces chain_sum, so the file's task.kwargs (min_terms")
     bad = vcpo("config", "show", "-c", "configs/quickstart.yaml", f"task.kwargs.path={sums}", "task.kwargs.x=1",
                "task.name=jsonl", check=False)
     assert bad.returncode == 2

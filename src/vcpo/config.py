@@ -7,6 +7,7 @@ Torch-free: every check here (objective hyperparameters included) runs before an
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -25,6 +26,8 @@ from vcpo.objective_specs import (
     spec_of,
 )
 from vcpo.plugins import PluginError, is_import_path, load_function
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(UserError, ValueError):
@@ -878,14 +881,15 @@ def _get_dotted(tree: dict[str, Any], dotted: str) -> Any:
     return node
 
 
-def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> None:
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> list[str]:
     """Apply dotted overrides to a config tree read from a file, in place.
 
     ``task.name`` or ``objective.name`` set to another name than the file's (or the default's) first drops the
     file's ``task.kwargs`` / ``objective.kwargs``: they were written for the old task or objective. Kwargs given as
-    overrides (``task.kwargs.path=...``) apply after that, whatever their order on the command line.
+    overrides (``task.kwargs.path=...``) apply after that, whatever their order on the command line. Returns one note
+    per non-empty kwargs dropped (``load_config`` logs them once the config is valid).
     """
-    parsed = parse_overrides(overrides)
+    parsed, notes = parse_overrides(overrides), []
     for name_key, kwargs_key in KWARGS_OF_NAME.items():
         section, field = name_key.split(".")
         names = [value for key, value in parsed if key == name_key]
@@ -893,9 +897,14 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> None:
         if current is None:
             current = _section_of(section).model_fields[field].default
         if names and names[-1] != current and isinstance(tree.get(section), dict):
-            tree[section].pop(kwargs_key.split(".")[1], None)
+            dropped = tree[section].pop(kwargs_key.split(".")[1], None)
+            if dropped:
+                keys = ", ".join(map(str, dropped)) if isinstance(dropped, dict) else repr(dropped)
+                notes.append(f"note: {name_key}={names[-1]} replaces {current}, so the file's {kwargs_key} ({keys}) "
+                             f"are dropped; give the new one its own as {kwargs_key}.KEY=VALUE")
     for key, value in parsed:
         _set_dotted(tree, key, value)
+    return notes
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
@@ -932,7 +941,9 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config (or start from defaults), apply dotted overrides, validate."""
+    """Read a YAML config (or start from defaults), apply dotted overrides, validate. Kwargs an override of
+    ``task.name`` / ``objective.name`` dropped are said in one warning line each on the ``vcpo.config`` logger (on
+    stderr when nothing configured logging), after validation, so that a bad config still fails in one line."""
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -947,8 +958,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file {str(p)!r} cannot be read: {exc}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
-    apply_overrides(tree, overrides or [])
-    return config_from_dict(tree)
+    notes = apply_overrides(tree, overrides or [])
+    config = config_from_dict(tree)
+    for note in notes:
+        log.warning(note)
+    return config
 
 
 def _yaml_where(exc: yaml.YAMLError) -> str:
