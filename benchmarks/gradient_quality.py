@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from vcpo.config import Config, load_config
+from vcpo.loop.trainer import seed_everything
 from vcpo.models.loading import load_policy
 from vcpo.orchestration.base import ProblemStream, generator_for
 from vcpo.rollout.collect import collect_groups
@@ -44,7 +45,6 @@ from vcpo.runtime import configure_cpu
 from vcpo.study.grids import ARMS, STUDY2
 from vcpo.tasks import make_task, prepare_scoring
 from vcpo.train.learner import Learner
-from vcpo.train.trainer import seed_everything
 from vcpo.types import Batch, SamplingParams
 from vcpo.variance import OPOB_VARIANTS, OPOB_WEIGHTINGS
 

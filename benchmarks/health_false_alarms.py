@@ -24,9 +24,9 @@ from pathlib import Path
 import yaml
 
 from vcpo.config import HealthConfig
+from vcpo.loop.alarms import RULES, HealthMonitor, accuracy_verdict
 from vcpo.metrics import read_metrics
 from vcpo.study.collapse import collapse_point, eval_series
-from vcpo.train.alarms import RULES, HealthMonitor, accuracy_verdict
 
 
 def run_dirs(paths: list[str]) -> list[Path]:

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 from vcpo.config import load_config
+from vcpo.loop.trainer import train
 from vcpo.metrics import METRICS_FILE, read_metrics
-from vcpo.train.trainer import train
 
 VARIANTS = {
     "float32": ["model.dtype=float32", "model.lm_head_fp32=false"],

@@ -37,7 +37,7 @@ CELLS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (rollout actors, learner ranks)
 def timed_lines(run: Path, overrides: list[str], steps: int, root: Path) -> list[dict]:
     """One async run of ``steps`` steps; its metric lines past the first two."""
     from vcpo.config import load_config
-    from vcpo.train.trainer import train
+    from vcpo.loop.trainer import train
 
     train(load_config("configs/quickstart.yaml", [
         f"run_dir={run}", f"sft.cache_dir={root / 'cache'}", "sft.steps=0", f"trainer.max_steps={steps}",

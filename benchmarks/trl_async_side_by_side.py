@@ -93,9 +93,9 @@ def native_overrides(staleness: int, seed: int, model_dir: Path, run_dir: Path,
 def run_native(staleness: int, seed: int, model_dir: Path, eval_problems: list[Any],
                args: argparse.Namespace) -> dict[str, Any]:
     """One run of vcpo's own asynchronous trainer with the ``vcpo`` arm's configuration; the same row as ``run``."""
+    from vcpo.loop.trainer import train as vcpo_train
     from vcpo.metrics import METRICS_FILE, read_metrics
     from vcpo.train.checkpoint import load_checkpoint
-    from vcpo.train.trainer import train as vcpo_train
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as out:

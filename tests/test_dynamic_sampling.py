@@ -56,7 +56,7 @@ def test_a_step_under_a_band_drops_and_refills_groups_outside_it():
 
 
 def test_the_trainer_builds_the_band_from_the_config():
-    from vcpo.train.trainer import dynamic_sampling
+    from vcpo.loop.trainer import dynamic_sampling
     band = ["rollout.filter=zero_variance", "rollout.filter_pass_rate=[0.2,0.8]", "rollout.filter_max_factor=3"]
     config = load_config("configs/quickstart.yaml", band)
     assert dynamic_sampling(config) == DynamicSampling(config.rollout.prompts_per_step, 3.0, (0.2, 0.8))

@@ -14,7 +14,7 @@ import pytest
 
 from vcpo.config import HealthConfig
 from vcpo.errors import HealthAlarm
-from vcpo.train.alarms import RULES, HealthMonitor, accuracy_verdict
+from vcpo.loop.alarms import RULES, HealthMonitor, accuracy_verdict
 
 from conftest import LAGGED, NAN_GRADIENT_FROM_STEP_2, metrics, patched_cli, vcpo
 

@@ -10,8 +10,8 @@ import torch
 
 import vcpo.rollout.collect as collect
 from vcpo.config import Config, LoggingConfig, RolloutConfig, SFTConfig, TaskConfig, TrainerConfig
+from vcpo.loop.trainer import train
 from vcpo.models import default as default_model
-from vcpo.train.trainer import train
 
 from conftest import metrics
 

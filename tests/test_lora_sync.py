@@ -53,7 +53,7 @@ def break_delivery(monkeypatch, backend: str) -> None:
 
 
 def lora_run(tmp_path, tiny_overrides, backend: str) -> list[dict]:
-    from vcpo.train.trainer import train
+    from vcpo.loop.trainer import train
 
     run_dir = tmp_path / backend
     config = load_config(ROOT / "configs" / "quickstart.yaml", [

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vcpo.envs.multiturn import EnvStep, is_multiturn
+from vcpo.loop.trainer import batch_metrics
 from vcpo.orchestration.staleness import staleness_metrics
 from vcpo.rollout.collect import collect_groups
 from vcpo.rollout.episodes import run_episodes
-from vcpo.train.trainer import batch_metrics
 from vcpo.types import Batch, Generation, Problem, SamplingParams, Trajectory
 
 EOS = 1

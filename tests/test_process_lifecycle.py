@@ -18,8 +18,8 @@ import torch
 import transformers
 
 from vcpo.errors import RunFailed
+from vcpo.loop.signals import ForcedExit, StopRequested, StopSignals
 from vcpo.orchestration.async_local import AsyncSource, WorkerSpec, _Worker
-from vcpo.train.signals import ForcedExit, StopRequested, StopSignals
 from vcpo.types import SamplingParams, Trajectory
 
 

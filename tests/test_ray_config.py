@@ -44,7 +44,7 @@ def test_the_cli_exits_2_with_one_line_before_anything_heavy(tmp_path):
 
 def test_ray_is_imported_only_when_chosen_and_its_absence_is_one_line():
     code = ("import sys\n"
-            "import vcpo.train.trainer, vcpo.cli\n"
+            "import vcpo.loop.trainer, vcpo.cli\n"
             "assert 'ray' not in sys.modules, 'the trainer imported ray'\n"
             "sys.modules['ray'] = None  # as if the extra were not installed\n"
             "from vcpo.config import ConfigError, load_config\n"

@@ -14,15 +14,15 @@ import transformers
 
 from vcpo.config import ConfigError, load_config
 from vcpo.errors import DiskError
+from vcpo.loop.health import RunHealth
+from vcpo.loop.trainer import restore
 from vcpo.metrics import MetricsLogger
 from vcpo.models.default import build_char_tokenizer
 from vcpo.rollout.engine import HFRolloutEngine, sample_next
 from vcpo.tasks import TaskError
 from vcpo.train.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
-from vcpo.train.health import RunHealth
 from vcpo.train.learner import Learner
 from vcpo.train.run_dir import RunDirectory, check_start, check_writable
-from vcpo.train.trainer import restore
 from vcpo.types import Batch, SamplingParams, Trajectory
 
 
@@ -180,7 +180,7 @@ def test_a_failed_fresh_start_removes_only_what_it_wrote(tmp_path):
 
 
 def test_a_failed_start_leaves_no_run_directory(tmp_path, monkeypatch):
-    import vcpo.train.trainer as trainer
+    import vcpo.loop.trainer as trainer
 
     model_dir = tmp_path / "model"
     tiny_llama().save_pretrained(model_dir)
@@ -201,7 +201,7 @@ def test_a_failed_start_leaves_no_run_directory(tmp_path, monkeypatch):
 
 
 def test_summary_counts_reach_the_final_line():
-    from vcpo.train.health import describe
+    from vcpo.loop.health import describe
 
     line = describe({"initial_accuracy": 0.3, "final_accuracy": 0.0, "steps": 4, "wall_time_s": 2.0, "run_dir": "r",
                      "skipped_steps": 3, "dropped_groups": 1, "reward_errors": 2, "reward_timeouts": 1,

@@ -23,7 +23,7 @@ app = typer.Typer(
 console = Console(stderr=True, soft_wrap=True)  # a path in a message stays on one line, whatever the width
 
 if TYPE_CHECKING:
-    from vcpo.train.signals import StopSignals
+    from vcpo.loop.signals import StopSignals
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
 Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.lr=1e-4 async.mode=sync "
@@ -104,7 +104,7 @@ def train(
     SIGTERM or SIGINT: the run checkpoints its last finished step and exits 143 or 130 (a second one exits at once).
     A health alarm with trainer.on_alarm=stop (or rollback out of retries) exits 3.
     """
-    from vcpo.train.signals import StopSignals
+    from vcpo.loop.signals import StopSignals
 
     try:
         with StopSignals() as signals:  # from the start: a signal during the heavy imports ends the command cleanly
@@ -116,7 +116,7 @@ def train(
 
 def _train(config: Path | None, overrides: list[str] | None, resume: Path | None, signals: StopSignals) -> None:
     from vcpo.errors import HealthAlarm, RunFailed, RunInterrupted, UserError, signal_name
-    from vcpo.train.signals import ForcedExit, StopRequested
+    from vcpo.loop.signals import ForcedExit, StopRequested
 
     try:
         from vcpo.train.run_dir import check_start
@@ -125,8 +125,8 @@ def _train(config: Path | None, overrides: list[str] | None, resume: Path | None
         check_start(cfg, resume=resume is not None)  # all before the heavy import below
         with signals.interruptible():
             _quiet_libraries()
-            from vcpo.train.health import describe
-            from vcpo.train.trainer import train as run_training
+            from vcpo.loop.health import describe
+            from vcpo.loop.trainer import train as run_training
         summary = run_training(cfg, resume=resume is not None, signals=signals)
         console.print(describe(summary), markup=False, highlight=False)
     except UserError as exc:

@@ -46,7 +46,7 @@ def keep_first_adapter(monkeypatch, tmp_path: Path) -> None:
 
 
 def lora_run(sft_model, tmp_path, tiny_overrides, *extra: str) -> list[dict]:
-    from vcpo.train.trainer import train
+    from vcpo.loop.trainer import train
 
     run_dir = tmp_path / "run"
     config = load_config(ROOT / "configs" / "quickstart.yaml", [

@@ -3,7 +3,7 @@
 gated by a weak gradient (issue 26), with recall, false alarms and lead time on each split.
 
 A rule runs online (:class:`RuleTracker`, one metrics line at a time, its state JSON-serialisable): the live
-health monitor of the trainer (vcpo.train.alarms) runs :data:`ESS_ALARM`, the ESS rule tuned here.
+health monitor of the trainer (vcpo.loop.alarms) runs :data:`ESS_ALARM`, the ESS rule tuned here.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def rerun_cell(cell_dir: str | Path, out_dir: str | Path, steps: int | None = No
     recorded) reruns from the SFT recipe in its config, cached in the default cache directory.
     """
     from vcpo.config import load_config
-    from vcpo.train.trainer import train
+    from vcpo.loop.trainer import train
 
     cell_dir, out = Path(cell_dir), Path(out_dir)
     if not (cell_dir / "config.yaml").is_file() or not (cell_dir / "metrics.jsonl").is_file():

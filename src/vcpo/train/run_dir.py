@@ -21,7 +21,7 @@ LATEST_FILE = "latest"
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 TRAINED_GROUPS_FILE = "trained_groups.jsonl"
-"""One line per trained group (vcpo.train.trained_groups)."""
+"""One line per trained group (vcpo.loop.trained_groups)."""
 _STARTED_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TRAINED_GROUPS_FILE, "tensorboard", "wandb", "mlflow.db",
                   "checkpoints")
 """What a run writes into its directory; a failed fresh start removes exactly these."""

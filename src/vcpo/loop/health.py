@@ -2,7 +2,7 @@
 non-finite steps, dropped rollout groups, reward errors and timeouts, rollout-worker restarts.
 
 ``summary.json`` and the command's last line report them, so that no failure is silent (with the health alarms'
-counts, vcpo.train.alarms).
+counts, vcpo.loop.alarms).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ checkpoints. Mode- and objective-blind.
 
 Everything that can fail is checked before the run directory is written; SIGTERM/SIGINT end the run
 with a checkpoint of the last finished step; non-finite steps are skipped, counted, and stop the run
-when ``trainer.max_skipped_steps`` come in a row. Health alarms (vcpo.train.alarms) watch every step and, by
+when ``trainer.max_skipped_steps`` come in a row. Health alarms (vcpo.loop.alarms) watch every step and, by
 ``trainer.on_alarm``, warn, stop the run, or roll it back to an earlier checkpoint with a lower learning rate.
 """
 
@@ -26,6 +26,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from vcpo.config import Config, ServerConfig
 from vcpo.errors import DiskError, HealthAlarm, RunFailed, RunInterrupted, signal_name
+from vcpo.loop.alarms import REMEDIES, Alarm, HealthMonitor, accuracy_verdict
+from vcpo.loop.health import RunHealth, ended
+from vcpo.loop.signals import ForcedExit, StopRequested, StopSignals
+from vcpo.loop.trained_groups import append_trained_groups, trained_group_records
 from vcpo.metrics import METRICS_FILE, MetricsLogger, truncate_metrics
 from vcpo.models.loading import load_policy
 from vcpo.models.lora import apply_lora_config, is_lora, save_adapter_config
@@ -38,16 +42,12 @@ from vcpo.runtime import configure_cpu, resolve_device
 from vcpo.tasks import make_task, prepare_scoring
 from vcpo.tasks.prompts import check_prompt_format
 from vcpo.trackers import open_trackers
-from vcpo.train.alarms import REMEDIES, Alarm, HealthMonitor, accuracy_verdict
 from vcpo.train.checkpoint import CheckpointError, discard_after, load_checkpoint, save_checkpoint, set_aside
 from vcpo.train.evaluate import EvalSettings
 from vcpo.train.evaluate import evaluate as evaluate_policy
-from vcpo.train.health import RunHealth, ended
 from vcpo.train.learner import Learner
 from vcpo.train.run_dir import SUMMARY_FILE, TRAINED_GROUPS_FILE, RunDirectory, complete_checkpoints, resume_candidates
 from vcpo.train.sft import warm_start
-from vcpo.train.signals import ForcedExit, StopRequested, StopSignals
-from vcpo.train.trained_groups import append_trained_groups, trained_group_records
 from vcpo.types import Batch, Problem, SamplingParams, Trajectory
 
 console = Console(stderr=True)
