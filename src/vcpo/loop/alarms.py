@@ -23,7 +23,7 @@ Rules, with the thresholds of ``trainer.health`` (h):
   group's rewards share a prompt), until the smoothed rule's window is full.
 - ``ess``: the ESS ratio's ``h.ess_smooth``-step mean is below ``h.ess_below`` while the gradient norm's
   ``h.grad_smooth``-step mean is below ``h.ess_grad_below``: the early-warning rule tuned offline
-  (vcpo.study.detector.ESS_ALARM, the same code); a low ESS alone does not fire it (full-VCPO runs sit there).
+  (vcpo.loop.rules.ESS_ALARM, the same code); a low ESS alone does not fire it (full-VCPO runs sit there).
 - ``accuracy_fall``: held-out accuracy is below ``h.accuracy_fall`` x its best so far (the evaluation before RL
   included), and below it by more than two binomial standard errors of that best, ``2 sqrt(b (1 - b) / n)`` over
   the n evaluation problems (1 of 16 problems right, then none, is noise), at ``h.accuracy_evals`` evaluations in a
@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vcpo.config import HealthConfig
-from vcpo.study.detector import Rule
+from vcpo.loop.rules import Rule
 
 RULES = ("nonfinite", "dead_policy", "uniform_policy", "no_signal", "reward_collapse", "ess", "accuracy_fall")
 
@@ -267,7 +267,7 @@ class HealthMonitor:
                      f"first step's {start:.3f} (beyond two standard errors, {noise:.3f})")
 
     def _windowed(self, metrics: dict[str, Any], step: int) -> list[Alarm | None]:
-        """The ESS and reward rules: vcpo.study.detector.Rule, the offline detector's code."""
+        """The ESS and reward rules: vcpo.loop.rules.Rule, the offline detector's code."""
         c, ess, reward = self.config, self.ess, self.reward
         ess_warns, reward_warns = ess.update(metrics), reward.update(metrics)
         self.metrics |= {f"health/{key}_mean": ess.means[key] for key in ("ess", "grad_norm") if key in ess.means}
