@@ -538,6 +538,13 @@ class AsyncConfig(_Strict):
     ratio within the bounds of ``async.auto`` (lagged and async modes; docs/trainer.md, adaptive staleness)."""
     drop_older_than: float | None = Field(None, ge=0)
     """ROLL-Flash alpha: drop samples created more than alpha steps behind the trainer."""
+    batch_order: Literal["arrival", "admission"] = "arrival"
+    """Which finished groups a step takes (async mode, local backend): ``arrival``, the first to finish (a long,
+    hard group overtaken by short ones may then exceed the bound and be dropped, so on a long-tailed task the trained
+    groups can come out shorter and easier than the generated ones; the tool task showed no such bias,
+    benchmarks/RESULTS.md); ``admission``, the groups in the order the bound admitted them, admitting within min(k,
+    ceil(drop_older_than)): no group dropped for staleness at a fixed k, the trained groups are the generated ones, at
+    the cost of waiting for each step's slowest group. Either order resumes losslessly (docs/trainer.md)."""
     inflight_updates: bool = True
     """Apply new weights between decode steps, so one response may span versions."""
     num_workers: int = Field(1, gt=0)
@@ -564,6 +571,14 @@ class AsyncConfig(_Strict):
     def _auto_needs_a_lag(self) -> AsyncConfig:
         if self.is_auto and self.mode == "sync":
             raise ValueError("async.max_staleness=auto needs async.mode=lagged or async (sync mode has no lag)")
+        return self
+
+    @model_validator(mode="after")
+    def _admission_order_fits(self) -> AsyncConfig:
+        if self.batch_order == "admission" and (self.mode != "async" or self.backend != "local"):
+            raise ValueError(f"async.batch_order=admission needs async.mode=async with async.backend=local (got mode "
+                             f"{self.mode}, backend {self.backend}): sync and lagged batches are in order already, and "
+                             "the Ray backend takes groups as they arrive")
         return self
 
     @property

@@ -156,7 +156,8 @@ def _generating_source(config: Config, learner: Learner, tokenizer, task, model_
         ac = config.async_
         return AsyncSource(learner.model, spec, ac.num_workers, ac.generation_bound(), ac.drop_older_than,
                            start_version=learner.version, max_restarts=ac.max_worker_restarts,
-                           publisher=None if servers is None else servers.publisher, sampling=sampling)
+                           publisher=None if servers is None else servers.publisher, sampling=sampling,
+                           batch_order=ac.batch_order)
     engine = servers or HFRolloutEngine(learner.model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
                                         lm_head_fp32=config.model.lm_head_fp32)
     remote_model = None if servers is None else learner.model  # whose weights are published to the servers

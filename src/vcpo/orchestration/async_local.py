@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections import deque
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -31,6 +30,7 @@ from vcpo.errors import RunFailed, signal_name
 from vcpo.models.lora import sync_state_dict
 from vcpo.orchestration.base import trajectory_from_dict, trajectory_to_dict
 from vcpo.orchestration.filtering import DynamicSampling
+from vcpo.orchestration.ordering import BatchOrder, make_order
 from vcpo.orchestration.staleness import StalenessController
 from vcpo.orchestration.tally import GroupTally
 from vcpo.orchestration.worker import WorkerSpec, rollout_worker
@@ -68,11 +68,14 @@ def _exit_text(code: int | None) -> str:
 class AsyncSource:
     """Rollout worker processes, fed and restarted from the learner's (main) thread. ``sampling``: dynamic sampling
     (``rollout.filter``): a group without signal is dropped as it arrives, frees its admission capacity, and the
-    workers generate another in its place."""
+    workers generate another in its place. ``batch_order`` (``async.batch_order``, vcpo.orchestration.ordering):
+    ``admission`` hands groups to a step in the order they were admitted, and admits within min(k, ceil(alpha)), so
+    that no group is dropped for staleness and none is chosen by how long it took."""
 
     def __init__(self, model: torch.nn.Module, spec: WorkerSpec, num_workers: int, max_staleness: int,
                  drop_older_than: float | None, start_version: int = 0, max_restarts: int = 3,
-                 publisher: WeightPublisher | None = None, sampling: DynamicSampling | None = None) -> None:
+                 publisher: WeightPublisher | None = None, sampling: DynamicSampling | None = None,
+                 batch_order: BatchOrder = "arrival") -> None:
         self._ctx = mp.get_context("spawn")
         self.spec = spec
         self.P = spec.prompts_per_step
@@ -86,7 +89,8 @@ class AsyncSource:
             k: v.detach().to("cpu", copy=True).share_memory_() for k, v in sync_state_dict(model).items()}
         # Read by workers without a lock, as a hint; written only while every worker's lock is held.
         self.version = self._ctx.RawValue("q", start_version)
-        self.controller = StalenessController(max_staleness, self.P, drop_older_than)
+        self.controller = StalenessController(max_staleness, self.P, drop_older_than,
+                                              admit_within_alpha=batch_order == "admission")
         self.controller.set_version(start_version)
         self.controller.stats.admitted = start_version * self.P  # groups already consumed before a resume
         self.next_group = start_version * self.P
@@ -94,10 +98,11 @@ class AsyncSource:
         self.restarts = 0
         self._before: dict[str, int] = {}  # counts of earlier processes of this run (resume)
         self._failure: str | None = None
-        # Every admitted group not yet trained is in one of: a worker's held indices, the inbox (received), or the
+        # Every admitted group not yet trained is in one of: a worker's held indices, the order (received), or the
         # groups taken for the batch of the step in progress (until its publish). It enters the next before it
         # leaves the last (a signal may end next_batch anywhere), and state() keeps one copy of each.
-        self._inbox: deque[list[Trajectory]] = deque()  # groups received, not yet handed to next_batch
+        self.batch_order = batch_order
+        self._order = make_order(batch_order, self.next_group)  # groups received, not yet handed to next_batch
         self._taken: list[list[Trajectory]] = []
         self._reissue: list[int] = []  # admitted before a resume, unfinished then: issued first, ahead of new ones
         self.sampling = sampling
@@ -163,7 +168,7 @@ class AsyncSource:
         worker.results.close()
 
     def _take(self, worker: _Worker) -> bool:
-        """Read one message of ``worker`` into the inbox (a group) or its error; False at its end (death)."""
+        """Read one message of ``worker`` into the order (a group) or its error; False at its end (death)."""
         try:
             kind, payload = worker.results.recv()
         except (EOFError, OSError, pickle.UnpicklingError):  # died, possibly in the middle of a message
@@ -172,7 +177,7 @@ class AsyncSource:
         if kind == "error":
             worker.error = payload
         else:
-            self._inbox.append(payload)
+            self._order.put(payload)
             if payload[0].group_id in worker.held:
                 worker.held.remove(payload[0].group_id)
         return True
@@ -184,9 +189,9 @@ class AsyncSource:
         return self._replace(worker, defer)
 
     def _receive(self) -> list[Trajectory]:
-        """The next finished group from any worker, left at the head of the inbox for the caller to take; a worker
-        that died is replaced as soon as it is seen."""
-        while not self._inbox:
+        """The next finished group in ``batch_order`` (the first to arrive, or the next admitted), left at the head of
+        the order for the caller to take (``pop``); a worker that died is replaced as soon as it is seen."""
+        while (group := self._order.peek()) is None:
             by_conn = {w.results: w for w in self.workers}
             by_sentinel = {w.process.sentinel: w for w in self.workers}
             for ready in wait([*by_conn, *by_sentinel], timeout=_POLL_S):
@@ -200,7 +205,7 @@ class AsyncSource:
                 if w.held and now - w.last_heard > self.spec.handoff_timeout_s:
                     raise RunFailed(f"rollout worker {i} sent nothing for {now - w.last_heard:.1f} s while holding "
                                     f"{len(w.held)} group(s) (async.handoff_timeout_s={self.spec.handoff_timeout_s:g})")
-        return self._inbox[0]
+        return group
 
     def next_batch(self, learner_version: int) -> list[Trajectory]:
         if not self.workers:  # start on the first request, after any load_state
@@ -224,7 +229,7 @@ class AsyncSource:
             else:
                 self.tally.add(group, "dropped")
                 self._admit()  # the drop freed admission capacity
-            self._inbox.popleft()
+            self._order.pop()
         self._batch_metrics = self.tally.take()
         return batch
 
@@ -242,7 +247,7 @@ class AsyncSource:
             else:
                 self.controller.release()
                 self._admit()
-            self._inbox.popleft()
+            self._order.pop()
         groups, filter_metrics = fill.result()
         self._taken = list(groups)  # at the cap, with the fillers
         self.controller.reclaim(fill.reclaimed)
@@ -312,7 +317,7 @@ class AsyncSource:
         return out
 
     def _drain(self) -> None:
-        """Move every group the workers have sent already into the inbox, without waiting for more."""
+        """Move every group the workers have sent already into the order, without waiting for more."""
         for w in self.workers:
             try:
                 while not w.results.closed and w.results.poll(0) and self._take(w):
@@ -322,12 +327,13 @@ class AsyncSource:
 
     def state(self) -> dict[str, Any]:
         """The stream cursor, the running totals, and every admitted group not yet trained: ``queued`` (finished,
-        each group's trajectories with their tokens, log-probs and versions, in arrival order) and ``requeued`` (the
-        indices still being generated, or never started: regenerated first after a resume). A step in progress (a
-        signal or an error ended it before its update) gives its groups back, ahead of the others."""
+        each group's trajectories with their tokens, log-probs and versions, in the order a step would take them:
+        arrival, or ascending index in admission order) and ``requeued`` (the indices still being generated, or never
+        started: regenerated first after a resume). A step in progress (a signal or an error ended it before its
+        update) gives its groups back, ahead of the others."""
         self._drain()
         m = self.metrics()
-        finished = list({group[0].group_id: group for group in [*self._taken, *self._inbox]}.values())
+        finished = list({group[0].group_id: group for group in [*self._taken, *self._order.groups()]}.values())
         ids = {group[0].group_id for group in finished}
         unfinished = sorted({*self._reissue, *(i for w in self.workers for i in w.held)} - ids)
         return {"next_group": self.next_group, "dropped_over_bound": int(m["staleness/dropped_over_bound"]),
@@ -338,13 +344,18 @@ class AsyncSource:
         """Continue a run: its next group index, its running totals (the restart budget is per process) and the
         groups it had admitted but not trained. Those count as admitted (the staleness bound's capacity); the finished
         ones are trained first, or dropped and counted at batch time when they lag beyond the bound, as any group is;
-        the unfinished ones are generated again, before any new group. A checkpoint without them (older vcpo) resumes
-        at ``next_group``, so the groups it had admitted are not trained."""
+        the unfinished ones are generated again, before any new group. In admission order a step takes all of them,
+        finished or not, by ascending index before any new group (a checkpoint of either order resumes in either).
+        A checkpoint without them (older vcpo) resumes at ``next_group``, so the groups it had admitted are not
+        trained."""
         self.next_group = int(state.get("next_group", self.next_group))
         self._before = {k: int(state.get(k, 0)) for k in ("dropped_over_bound", "dropped_alpha", "worker_restarts")}
         queued = [[trajectory_from_dict(d) for d in group] for group in state.get("queued", [])]
-        self._inbox.extend(queued)
         self._reissue = [int(i) for i in state.get("requeued", [])]
+        self._order = make_order(self.batch_order, self.next_group,
+                                 pending=[*(group[0].group_id for group in queued), *self._reissue])
+        for group in queued:
+            self._order.put(group)
         self.controller.stats.admitted += len(queued) + len(self._reissue)
 
     def close(self) -> None:

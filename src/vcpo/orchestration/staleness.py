@@ -30,12 +30,16 @@ class StalenessStats:
 class StalenessController:
     """Thread-safe admission control and batch-time filtering for one learner."""
 
-    def __init__(self, max_staleness: int, groups_per_step: int, drop_older_than: float | None = None) -> None:
+    def __init__(self, max_staleness: int, groups_per_step: int, drop_older_than: float | None = None,
+                 admit_within_alpha: bool = False) -> None:
         if max_staleness < 0 or groups_per_step <= 0:
             raise ValueError(f"need max_staleness >= 0 and groups_per_step > 0, got {max_staleness}, {groups_per_step}")
         self.k = max_staleness
         self.groups_per_step = groups_per_step
         self.alpha = drop_older_than
+        self.admit_within_alpha = admit_within_alpha
+        """Admit under min(k, ceil(alpha)) rather than k (``async.batch_order: admission``, where a group's lag is set
+        at admission: nothing is generated only to be dropped as older than alpha)."""
         self.stats = StalenessStats()
         self._version = 0
         self._cond = threading.Condition()
@@ -46,7 +50,10 @@ class StalenessController:
 
     def capacity(self) -> int:
         """How many groups may have been admitted (net of drops) at the current version."""
-        return (self.k + self._version + 1) * self.groups_per_step
+        k = self.k
+        if self.admit_within_alpha and self.alpha is not None:
+            k = min(k, math.ceil(self.alpha))
+        return (k + self._version + 1) * self.groups_per_step
 
     def try_admit(self) -> int | None:
         """Admit one new rollout group if the bound allows now; returns the version at admission."""
