@@ -133,9 +133,12 @@ def trained_groups(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
 
 
-def test_an_async_run_stopped_by_sigterm_trains_every_prompt_once_after_resume(tmp_path, tiny, runs):
+@pytest.mark.parametrize("order", ["arrival", "admission"])
+def test_an_async_run_stopped_by_sigterm_trains_every_prompt_once_after_resume(tmp_path, tiny, runs, order):
+    # admission order with 2 workers: they overtake each other, yet every step takes the next 4 prompts of the stream
+    extra = ["async.batch_order=admission", "async.num_workers=2"] if order == "admission" else []
     run_dir = tmp_path / "part"
-    part = runs(*tiny, *ASYNC_NO_DROPS, f"run_dir={run_dir}")
+    part = runs(*tiny, *ASYNC_NO_DROPS, *extra, f"run_dir={run_dir}")
     wait_for_lines(run_dir / "metrics.jsonl", 2, part.proc)
     part.proc.send_signal(signal.SIGTERM)  # the worker runs ahead by up to (k + 1) * 4 groups: some done, some not
     code, lines = part.finish()
@@ -151,11 +154,19 @@ def test_an_async_run_stopped_by_sigterm_trains_every_prompt_once_after_resume(t
     assert [r["step"] for r in records] == [t for t in range(1, 9) for _ in range(4)]
     # none skipped, none twice: what the uninterrupted run trains (ASYNC_NO_DROPS)
     assert sorted(r["prompt_index"] for r in records) == list(range(32))
+    after = records[4 * done:]
+    lengths = {g[0]["group_id"]: sum(len(t["response_ids"]) for t in g) / len(g) for g in saved["queued"]}
+    if order == "admission":
+        # in stream order throughout, across the stop: the held groups, finished or not, slot in by index; the
+        # finished ones as generated (their versions and lengths kept)
+        assert [r["prompt_index"] for r in records] == list(range(32))
+        assert sorted(g for g, _ in queued) == [g for g, _ in queued]
+        assert all((r["version"], r["length_mean"]) == (dict(queued)[r["prompt_index"]], lengths[r["prompt_index"]])
+                   for r in after if r["prompt_index"] in lengths)
+        return
     # first the groups that had finished at the stop, as generated (their versions and lengths kept), then the
     # prompts that were in flight, generated again
-    after = records[4 * done:]
     assert [(r["prompt_index"], r["version"]) for r in after[:len(queued)]] == queued[:len(after)]
-    lengths = {g[0]["group_id"]: sum(len(t["response_ids"]) for t in g) / len(g) for g in saved["queued"]}
     assert all(r["length_mean"] == lengths[r["prompt_index"]] for r in after[:len(queued)])
     regenerated = [r["prompt_index"] for r in after[len(queued):]]
     assert regenerated == saved["requeued"][:len(regenerated)]
