@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from vcpo.errors import RunFailed
 from vcpo.orchestration.async_local import AsyncSource, WorkerSpec, _Worker
 from vcpo.orchestration.ordering import AdmissionOrder, ArrivalOrder, make_order
 from vcpo.orchestration.staleness import StalenessController
@@ -236,4 +237,15 @@ def test_a_resumed_async_source_trains_the_groups_it_held_first_in_its_order(ord
     again.load_state(state)
     worker_end, _ = _attach(again)
     _take(again, taken)
+    worker_end.close()
+
+
+def test_admission_order_waiting_for_a_group_no_worker_holds_is_an_error_not_a_hang(tmp_path):
+    source = _source("admission", tmp_path)
+    worker_end, _ = _attach(source)
+    source._admit()  # groups 0-3
+    source._order = make_order("admission", 4)  # seeded past the groups it holds: the mistake this guards against
+    _send(worker_end, 1, 0, 3, 2)
+    with pytest.raises(RunFailed, match="waits for group 4, which no rollout worker holds"):
+        source.next_batch(0)
     worker_end.close()

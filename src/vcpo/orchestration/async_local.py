@@ -200,6 +200,10 @@ class AsyncSource:
                     continue
                 if ready is not worker.results or not self._take(worker):
                     self._bury(worker)
+            index = self._order.waiting_for()
+            if index is not None and self._order.peek() is None and not any(index in w.held for w in self.workers):
+                raise RunFailed(f"async.batch_order=admission waits for group {index}, which no rollout worker holds: "
+                                "it would wait forever (a bug in vcpo: please report it)")
             now = time.monotonic()
             for i, w in enumerate(self.workers):
                 if w.held and now - w.last_heard > self.spec.handoff_timeout_s:

@@ -41,6 +41,10 @@ class GroupOrder(Protocol):
 
     def groups(self) -> list[list[Trajectory]]: ...
 
+    def waiting_for(self) -> int | None:
+        """The group index the next ``peek`` needs, when only that one will do (admission order); else None."""
+        ...
+
 
 class ArrivalOrder:
     """First finished, first taken."""
@@ -59,6 +63,9 @@ class ArrivalOrder:
 
     def groups(self) -> list[list[Trajectory]]:
         return list(self._queue)
+
+    def waiting_for(self) -> int | None:
+        return None
 
 
 class AdmissionOrder:
@@ -92,6 +99,9 @@ class AdmissionOrder:
 
     def groups(self) -> list[list[Trajectory]]:
         return [self._waiting[i] for i in sorted(self._waiting)]
+
+    def waiting_for(self) -> int | None:
+        return self._head()
 
 
 def make_order(order: BatchOrder, next_index: int, pending: Iterable[int] = ()) -> GroupOrder:
