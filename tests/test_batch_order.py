@@ -2,7 +2,8 @@
 the staleness bound with arrival order trains shorter, easier groups than it generated; with admission order it
 trains exactly what it generated and no group exceeds the bound. A discrete-event simulation of async mode with the
 real staleness controller, group order and tally (workers that take their tickets one at a time, a fixed learner step
-time); no process, no model. And the real async source with a stand-in worker: the order it hands groups over."""
+time); no process, no model. And the real async source with a stand-in worker: the order it hands groups over, and
+the groups it saves in a checkpoint and takes first after a resume (a whole run: tests/test_fault_injection.py)."""
 
 from __future__ import annotations
 
