@@ -13,7 +13,7 @@ INSTALL = test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
 
 comma := ,
 
-.PHONY: test lint unit venv clean demo lock lock-vllm test-vllm lock-verl test-verl
+.PHONY: test test-slow lint unit venv clean demo lock lock-vllm test-vllm lock-verl test-verl
 
 venv: $(VENV)/.test
 
@@ -32,12 +32,16 @@ lint: $(VENV)/.test
 
 # Two pytest-xdist workers: most tests wait on one single-threaded process at a time, so two share the 2-core CI
 # machine. Each module stays on one worker, the Ray modules all on one (tests/conftest.py). TEST_WORKERS=0 runs the
-# suite in this process alone.
+# suite in this process alone. `make test` leaves out the tests marked slow (multi-process runs of about 40 s or more
+# with kills, resumes or clusters, and negative controls); `make test-slow` runs only those; CI runs both.
 TEST_WORKERS ?= 2
 unit: $(VENV)/.test
-	$(BIN)/pytest -n $(TEST_WORKERS)
+	$(BIN)/pytest -n $(TEST_WORKERS) -m "not slow"
 
 test: lint unit
+
+test-slow: $(VENV)/.test
+	$(BIN)/pytest -n $(TEST_WORKERS) -m slow
 
 # The main job: warm-start the embedded model by SFT (cached in .cache/vcpo), train it with
 # asynchronous VCPO, print held-out accuracy before and after, and write the plots.

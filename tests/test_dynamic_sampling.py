@@ -206,6 +206,7 @@ def _without_timing(lines: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not (k.startswith("time/") or k.endswith("_s"))} for m in lines]
 
 
+@pytest.mark.slow
 def test_lagged_filtered_run_is_deterministic_and_resumes_exactly(tmp_path, tiny):
     common = [*tiny, "async.mode=lagged", "async.max_staleness=2", *FILTER]
     full, again, part = tmp_path / "full", tmp_path / "again", tmp_path / "part"

@@ -70,6 +70,7 @@ def test_lagged_resume_equals_uninterrupted_run(tmp_path, tiny, lagged_full):
     assert trained_groups(tmp_path / "part") == full
 
 
+@pytest.mark.slow
 def test_lagged_replay_resumes_exactly_with_tb(tmp_path, tiny):
     # Fresh batches at lag 1, replayed groups up to k = 2; the buffer and its RNG are in the checkpoint.
     common = [*tiny, *LAGGED, "async.replay.enabled=true", "async.replay.generation_lag=1",
@@ -82,6 +83,7 @@ def test_lagged_replay_resumes_exactly_with_tb(tmp_path, tiny):
     assert any(m["replay/uses_max"] == 2 for m in lines) and all(m["replay/fresh_groups"] == 4 for m in lines)
 
 
+@pytest.mark.slow
 def test_tba_recipe_runs_with_searchers_and_stops_at_its_time_budget(tmp_path, tiny, tiny_overrides):
     # configs/tba.yaml as shipped (async, tb, replay), with two searchers to spare the CI machine.
     run = tmp_path / "tba"

@@ -73,6 +73,7 @@ def wait_for_restart_in_checkpoint(run_dir: Path, proc, timeout_s: float = 300) 
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_async_run_survives_worker_kills_and_a_trainer_kill(tmp_path, tiny, runs):
     run_dir = tmp_path / "async"
     args = [*tiny, f"run_dir={run_dir}", "async.mode=async", "async.max_staleness=1", "trainer.max_steps=8"]

@@ -8,12 +8,15 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_suite
 
 
+@pytest.mark.slow
 def test_the_quick_suite_runs_every_part_and_writes_one_summary(tmp_path):
     out = tmp_path / "summary.md"
     proc = subprocess.run([sys.executable, "benchmarks/gpu_suite.py", "--quick", "--out", str(out)], cwd=ROOT,

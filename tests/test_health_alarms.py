@@ -270,9 +270,11 @@ EDGES = {"lr_1e1": (["trainer.lr=1e1"], None), "lr_1e2": (["trainer.lr=1e2"], No
          "uniform_sampler": ([], UNIFORM_SAMPLER)}
 """Ways to push a run over the edge: whichever way this CPU and BLAS diverge at a high learning rate (NaN, uniform
 or deterministic), each must raise an alarm."""
+SLOW_EDGES = {"lr_1e2", "lr_1e3"}
+"""Between the two extremes: in the slow tier (`make test-slow`), not in `make test`."""
 
 
-@pytest.mark.parametrize("edge", list(EDGES))
+@pytest.mark.parametrize("edge", [pytest.param(e, marks=pytest.mark.slow) if e in SLOW_EDGES else e for e in EDGES])
 def test_a_run_pushed_over_the_edge_alarms_within_5_steps_and_stop_keeps_only_healthy_checkpoints(
         tmp_path, warm, edge):
     overrides, patch = EDGES[edge]

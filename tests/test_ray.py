@@ -118,6 +118,7 @@ def _run_in_background(args: list[str], log: Path) -> subprocess.Popen:
                                 stdout=subprocess.DEVNULL, stderr=stderr)
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_refills_from_two_rollout_actors_through_the_cli(cluster, tmp_path, tiny):
     run = tmp_path / "run"
     vcpo("train", *tiny, f"run_dir={run}", "async.mode=async", "async.backend=ray", "async.num_workers=2",
@@ -125,6 +126,7 @@ def test_dynamic_sampling_refills_from_two_rollout_actors_through_the_cli(cluste
     check_filtered_run(run, 3, 1)
 
 
+@pytest.mark.slow
 def test_two_actors_two_learners_through_the_cli_a_learner_killed_and_resumes(cluster, tmp_path):
     """A local run's checkpoint (sync mode: no worker process to start) resumed on Ray (2 rollout actors, 2 learner
     ranks), a learner killed mid-run (one line, exit 1, every finished step checkpointed), that Ray checkpoint
@@ -172,6 +174,7 @@ def test_two_actors_two_learners_through_the_cli_a_learner_killed_and_resumes(cl
     assert json.loads((run / "summary.json").read_text())["steps"] == saved + 1
 
 
+@pytest.mark.slow
 def test_two_actors_on_two_servers_through_the_cli_one_server_killed(cluster, tmp_path):
     """``async.backend=ray`` with ``rollout.engine=server``: the driver publishes each version to both servers once,
     the 2 rollout actors generate through both; the second server is killed after step 2 and the run carries on."""
@@ -220,6 +223,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_broadcast_gives_every_actor_rank_0s_weights_exactly_and_forms_again_after_a_restart(cluster, tmp_path):
     from vcpo.orchestration.ray import RayBackend
     from vcpo.orchestration.ray.session import get
@@ -269,6 +273,7 @@ def test_broadcast_gives_every_actor_rank_0s_weights_exactly_and_forms_again_aft
         assert m["ray/actor_restarts"] == 1 and m["ray/broadcast_fallbacks"] >= 1 and m["time/weight_broadcast_s"] > 0
 
 
+@pytest.mark.slow
 def test_weight_broadcast_through_the_cli(cluster, tmp_path):
     """``ray.weight_sync=broadcast``: 2 rollout actors get every learner version from rank 0 over gloo, rank 0 being
     also a member of the 2 learners' own group."""
@@ -289,6 +294,7 @@ def test_weight_broadcast_through_the_cli(cluster, tmp_path):
     assert sum(m["ray/weight_loads"] for m in lines) <= 2
 
 
+@pytest.mark.slow
 def test_two_sharded_learner_ranks_through_the_cli_and_their_checkpoint_resumed_locally(cluster, tmp_path):
     """``trainer.sharding=fsdp`` in the Ray learner group: the rollout actor samples from the weights the 2 sharded
     ranks gathered layer by layer (k = 0: every token at the learner's current weights, its log-probs the learner's to

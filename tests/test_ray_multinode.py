@@ -125,6 +125,7 @@ def _wait_for(run: Path, proc, log: Path, done, what: str, timeout_s: float = 24
     return lines
 
 
+@pytest.mark.slow
 def test_nodes_lost_mid_run_then_a_resume_on_another_shape(nodes, tmp_path):
     """One run through the command line: 2 learner ranks in a strict_spread placement group (head and node l), 2
     rollout actors spread over nodes a and b, weights broadcast by rank 0. Node b is removed: its actor is restarted

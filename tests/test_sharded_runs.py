@@ -59,6 +59,7 @@ def test_a_two_rank_checkpoint_resumes_on_one_process_and_on_four_ranks(tmp_path
     assert_same_metrics(metrics(lagged_full), metrics(part))
 
 
+@pytest.mark.slow
 def test_two_unsharded_local_ranks_resume_like_one_process(tmp_path, tiny, lagged_full):
     """trainer.num_learners=2 without sharding: local data-parallel ranks; a resume hands each rank its own copy of
     the optimizer state."""
