@@ -126,6 +126,45 @@ def test_dynamic_sampling_refills_from_two_rollout_actors_through_the_cli(cluste
     check_filtered_run(run, 3, 1)
 
 
+def test_a_resumed_ray_source_trains_every_admitted_group_once(cluster, tmp_path):
+    """What an async checkpoint keeps on Ray (as for local workers, tests/test_fault_injection.py): the groups the
+    actors finished and those in flight at a stop are trained after the resume, none skipped, none twice."""
+    from vcpo.orchestration.ray.rollout import RaySource
+    from vcpo.orchestration.ray.weights import WeightBoard
+
+    model, spec = tiny_worker(tmp_path)
+
+    def source(start_version: int) -> RaySource:  # k = 8 > 7: no group of 8 steps is ever dropped
+        return RaySource(model, spec, 1, 8, None, start_version, WeightBoard(), RayConfig(timeout_s=120))
+
+    def step(src: RaySource, version: int) -> list[int]:
+        groups = sorted({t.group_id for t in src.next_batch(version)})
+        src.publish(model, version + 1)
+        return groups
+
+    first = source(0)
+    try:
+        trained = [g for version in range(2) for g in step(first, version)]
+        time.sleep(3)  # the actor runs ahead by up to (k + 1) x 4 groups: some finish, some do not
+        state = json.loads(json.dumps(first.state()))  # as trainer_state.json holds it
+    finally:
+        first.close()
+    queued = [g[0]["group_id"] for g in state["queued"]]
+    assert queued and set(queued).isdisjoint(state["requeued"]) and state["next_group"] > 8
+    assert set(queued) | set(state["requeued"]) == set(range(8, state["next_group"]))  # every admitted group kept
+    second = source(2)
+    try:
+        second.load_state(state)
+        resumed = [step(second, version) for version in range(2, 8)]
+    finally:
+        second.close()
+    after = [g for groups in resumed for g in groups]
+    assert sorted(after[:len(queued)]) == sorted(queued)  # the finished ones first (one actor: in stream order)
+    # none skipped (a resume at the cursor skipped 8..next_group - 1), none twice
+    assert sorted(trained + after) == list(range(32))
+
+
+
 @pytest.mark.slow
 def test_two_actors_two_learners_through_the_cli_a_learner_killed_and_resumes(cluster, tmp_path):
     """A local run's checkpoint (sync mode: no worker process to start) resumed on Ray (2 rollout actors, 2 learner

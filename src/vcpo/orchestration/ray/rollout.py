@@ -17,7 +17,7 @@ import ray
 import torch
 
 from vcpo.models.lora import sync_state_dict
-from vcpo.orchestration.base import BackendError, generator_for
+from vcpo.orchestration.base import BackendError, generator_for, trajectory_from_dict, trajectory_to_dict
 from vcpo.orchestration.filtering import DynamicSampling
 from vcpo.orchestration.ray.broadcast import BroadcastMember, Failed, Layout, WeightBroadcast, attempt
 from vcpo.orchestration.ray.placement import node_id, rollout_options
@@ -168,6 +168,9 @@ class RaySource:
         self.lives = [0] * num_workers  # how many times each actor was found dead
         self.probes: dict[Any, int] = {}  # pid() calls to restarting actors -> actor
         self.ready: deque[list[Trajectory]] = deque()
+        # Every admitted group not yet trained is pending, in flight, ready (received), or taken for the step in
+        # progress (until its publish); it enters the next before it leaves the last, and state() keeps one copy.
+        self.taken: list[list[Trajectory]] = []
         self.stats = {"ray/actor_restarts": 0.0, "ray/reissued_groups": 0.0, "ray/weight_loads": 0.0,
                       "ray/weight_load_s": 0.0, "time/weight_publish_s": 0.0}
         if broadcast is not None:
@@ -214,9 +217,14 @@ class RaySource:
             except ray.exceptions.ActorDiedError:
                 raise self._gone(actor) from None
             return
-        actor, indices, life = self.inflight.pop(done[0])
+        self._collect(done[0])
+
+    def _collect(self, ref: Any) -> None:
+        """The result of the finished request ``ref``: its groups into ``ready``, or, when its actor died and Ray
+        restarts it, its indices back to the front of the queue."""
+        actor, indices, life = self.inflight.pop(ref)
         try:
-            groups, stats = ray.get(done[0])
+            groups, stats = ray.get(ref)
         except ray.exceptions.ActorDiedError:
             raise self._gone(actor) from None
         except ray.exceptions.RayTaskError as exc:  # the actor lives but its request raised (e.g. a weight fetch)
@@ -251,13 +259,15 @@ class RaySource:
                 self._admit_and_send()
                 self._receive()
                 continue
-            group = self.ready.popleft()
+            group = self.ready[0]
             if self.controller.keep(group, learner_version):
+                self.taken.append(group)
                 batch.extend(group)
                 kept += 1
                 self.tally.add(group, "trained")
             else:
                 self.tally.add(group, "dropped")
+            self.ready.popleft()
         self.batch_metrics = self.tally.take()
         self._admit_and_send()  # the actors work on the next groups while the learner steps
         return batch
@@ -271,12 +281,16 @@ class RaySource:
                 self._admit_and_send()
                 self._receive()
                 continue
-            group = self.ready.popleft()
+            group = self.ready[0]
             if not self.controller.keep(group, learner_version):
                 self.tally.add(group, "dropped")
-            elif not fill.offer(group):
+            elif fill.offer(group):
+                self.taken.append(group)
+            else:
                 self.controller.release()
+            self.ready.popleft()
         groups, filter_metrics = fill.result()
+        self.taken = list(groups)  # at the cap, with the fillers
         self.controller.reclaim(fill.reclaimed)
         fill.record(self.tally)
         self.batch_metrics = filter_metrics | self.tally.take()
@@ -286,7 +300,9 @@ class RaySource:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Offer version ``version`` to every actor: the learner group's object when it published one, else one
         ``ray.put`` of ``model``'s weights; actors fetch it themselves between decode steps. With servers, every
-        server is first paused, updated and resumed (``publisher``); the actors then only learn the number."""
+        server is first paused, updated and resumed (``publisher``); the actors then only learn the number. The
+        batch just trained is no longer the source's to keep."""
+        self.taken = []
         t0 = time.perf_counter()
         if self.publisher is not None:
             self.publisher.publish(sync_state_dict(model), version)
@@ -318,10 +334,35 @@ class RaySource:
         return out
 
     def state(self) -> dict[str, Any]:
-        return {"next_group": self.next_group}
+        """The stream cursor and every admitted group not yet trained, as the local ``AsyncSource`` keeps them:
+        ``queued`` (finished: requests done by now are collected first; each group with its tokens, log-probs and
+        versions, the step in progress's groups first) and ``requeued`` (the indices in flight or not yet sent:
+        generated again after a resume, before any new one)."""
+        if self.inflight:
+            done, _ = ray.wait(list(self.inflight), num_returns=len(self.inflight), timeout=0)
+            for ref in done:
+                indices = self.inflight[ref][1]
+                try:
+                    self._collect(ref)
+                except BackendError:  # its actor is gone: the request's prompts are generated again after a resume
+                    self.pending.extend(indices)
+        finished = list({group[0].group_id: group for group in [*self.taken, *self.ready]}.values())
+        ids = {group[0].group_id for group in finished}
+        unfinished = sorted({*self.pending, *(i for _, indices, _ in self.inflight.values() for i in indices)} - ids)
+        return {"next_group": self.next_group,
+                "queued": [[trajectory_to_dict(t) for t in group] for group in finished], "requeued": unfinished}
 
     def load_state(self, state: dict[str, Any]) -> None:
+        """Continue a run: its next group index and the groups it had admitted but not trained, which count as
+        admitted; the finished ones are trained first (or dropped at batch time past the bound, as any group), the
+        unfinished ones are sent again before any new index. A checkpoint without them (older vcpo) resumes at
+        ``next_group``, past the groups it had admitted."""
         self.next_group = int(state.get("next_group", self.next_group))
+        queued = [[trajectory_from_dict(d) for d in group] for group in state.get("queued", [])]
+        requeued = [int(i) for i in state.get("requeued", [])]
+        self.ready.extend(queued)
+        self.pending.extendleft(reversed(requeued))
+        self.controller.stats.admitted += len(queued) + len(requeued)
 
     def close(self) -> None:
         for actor in self.actors:
