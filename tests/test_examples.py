@@ -71,6 +71,7 @@ def test_custom_multiturn_environment_runs_episodes_in_the_async_workers(tiny, t
     assert "eval/accuracy" in lines[-1]
 
 
+@pytest.mark.slow
 def test_openai_agent_runs_its_episodes_through_the_endpoint_in_the_async_workers(tiny, tmp_path):
     run = tmp_path / "run"
     train_example("openai_agent", *tiny, f"run_dir={run}", "trainer.max_steps=2", "rollout.max_new_tokens=24",

@@ -47,8 +47,10 @@ def test_two_sharded_ranks_train_like_one_process(sharded_run, lagged_full):
     assert all(m["time/weight_gather_s"] > 0 for m in metrics(sharded_run))  # the ranks into the mirror
 
 
-@pytest.mark.parametrize("learners", [["trainer.num_learners=1", "trainer.sharding=none"], ["trainer.num_learners=4"],
-                                      ["trainer.num_learners=1"]])  # one process unsharded; 4 ranks; a world of one
+@pytest.mark.parametrize("learners", [  # one process unsharded; 4 ranks (slow tier); a world of one
+    ["trainer.num_learners=1", "trainer.sharding=none"],
+    pytest.param(["trainer.num_learners=4"], marks=pytest.mark.slow),
+    ["trainer.num_learners=1"]])
 def test_a_two_rank_checkpoint_resumes_on_one_process_and_on_four_ranks(tmp_path, sharded_run, lagged_full,
                                                                         learners):
     part = tmp_path / "part"
