@@ -145,7 +145,9 @@ def test_a_resumed_ray_source_trains_every_admitted_group_once(cluster, tmp_path
     first = source(0)
     try:
         trained = [g for version in range(2) for g in step(first, version)]
-        time.sleep(3)  # the actor runs ahead by up to (k + 1) x 4 groups: some finish, some do not
+        deadline = time.monotonic() + 60  # the actor runs ahead by up to (k + 1) x 4 groups: wait until some finish
+        while not ray.wait(list(first.inflight), timeout=0)[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
         state = json.loads(json.dumps(first.state()))  # as trainer_state.json holds it
     finally:
         first.close()
