@@ -28,7 +28,7 @@ from rich.console import Console
 
 from vcpo.errors import RunFailed, signal_name
 from vcpo.models.lora import sync_state_dict
-from vcpo.orchestration.base import trajectory_from_dict, trajectory_to_dict
+from vcpo.orchestration.base import held_groups, held_groups_state
 from vcpo.orchestration.filtering import DynamicSampling
 from vcpo.orchestration.ordering import BatchOrder, make_order
 from vcpo.orchestration.staleness import StalenessController
@@ -337,12 +337,11 @@ class AsyncSource:
         update) gives its groups back, ahead of the others."""
         self._drain()
         m = self.metrics()
-        finished = list({group[0].group_id: group for group in [*self._taken, *self._order.groups()]}.values())
-        ids = {group[0].group_id for group in finished}
-        unfinished = sorted({*self._reissue, *(i for w in self.workers for i in w.held)} - ids)
+        held = held_groups_state([*self._taken, *self._order.groups()],
+                                 {*self._reissue, *(i for w in self.workers for i in w.held)})
         return {"next_group": self.next_group, "dropped_over_bound": int(m["staleness/dropped_over_bound"]),
-                "dropped_alpha": int(m["staleness/dropped_alpha"]), "worker_restarts": int(m["async/worker_restarts"]),
-                "queued": [[trajectory_to_dict(t) for t in group] for group in finished], "requeued": unfinished}
+                "dropped_alpha": int(m["staleness/dropped_alpha"]),
+                "worker_restarts": int(m["async/worker_restarts"])} | held
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Continue a run: its next group index, its running totals (the restart budget is per process) and the
@@ -354,8 +353,7 @@ class AsyncSource:
         trained."""
         self.next_group = int(state.get("next_group", self.next_group))
         self._before = {k: int(state.get(k, 0)) for k in ("dropped_over_bound", "dropped_alpha", "worker_restarts")}
-        queued = [[trajectory_from_dict(d) for d in group] for group in state.get("queued", [])]
-        self._reissue = [int(i) for i in state.get("requeued", [])]
+        queued, self._reissue = held_groups(state)
         self._order = make_order(self.batch_order, self.next_group,
                                  pending=[*(group[0].group_id for group in queued), *self._reissue])
         for group in queued:

@@ -97,3 +97,19 @@ def trajectory_to_dict(t: Trajectory) -> dict[str, Any]:
 
 def trajectory_from_dict(d: dict[str, Any]) -> Trajectory:
     return Trajectory(**{**d, "sampling": SamplingParams(**d["sampling"])})
+
+
+def held_groups_state(finished: list[list[Trajectory]], unfinished: set[int]) -> dict[str, Any]:
+    """What an async source's checkpoint keeps of the groups it admitted and has not trained (docs/trainer.md, what
+    an async resume keeps): ``queued``, the finished groups (one copy of each, in the given order) with their tokens,
+    log-probs and versions; ``requeued``, the indices of the others, ascending (a finished one left out)."""
+    groups = list({group[0].group_id: group for group in finished}.values())
+    ids = {group[0].group_id for group in groups}
+    return {"queued": [[trajectory_to_dict(t) for t in group] for group in groups],
+            "requeued": sorted(unfinished - ids)}
+
+
+def held_groups(state: dict[str, Any]) -> tuple[list[list[Trajectory]], list[int]]:
+    """The finished groups and the unfinished indices :func:`held_groups_state` kept (none from an older checkpoint)."""
+    queued = [[trajectory_from_dict(d) for d in group] for group in state.get("queued", [])]
+    return queued, [int(i) for i in state.get("requeued", [])]

@@ -17,7 +17,7 @@ import ray
 import torch
 
 from vcpo.models.lora import sync_state_dict
-from vcpo.orchestration.base import BackendError, generator_for, trajectory_from_dict, trajectory_to_dict
+from vcpo.orchestration.base import BackendError, generator_for, held_groups, held_groups_state
 from vcpo.orchestration.filtering import DynamicSampling
 from vcpo.orchestration.ray.broadcast import BroadcastMember, Failed, Layout, WeightBroadcast, attempt
 from vcpo.orchestration.ray.placement import node_id, rollout_options
@@ -346,11 +346,9 @@ class RaySource:
                     self._collect(ref)
                 except BackendError:  # its actor is gone: the request's prompts are generated again after a resume
                     self.pending.extend(indices)
-        finished = list({group[0].group_id: group for group in [*self.taken, *self.ready]}.values())
-        ids = {group[0].group_id for group in finished}
-        unfinished = sorted({*self.pending, *(i for _, indices, _ in self.inflight.values() for i in indices)} - ids)
-        return {"next_group": self.next_group,
-                "queued": [[trajectory_to_dict(t) for t in group] for group in finished], "requeued": unfinished}
+        in_flight = {i for _, indices, _ in self.inflight.values() for i in indices}
+        return {"next_group": self.next_group} | held_groups_state([*self.taken, *self.ready],
+                                                                   {*self.pending, *in_flight})
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Continue a run: its next group index and the groups it had admitted but not trained, which count as
@@ -358,8 +356,7 @@ class RaySource:
         unfinished ones are sent again before any new index. A checkpoint without them (older vcpo) resumes at
         ``next_group``, past the groups it had admitted."""
         self.next_group = int(state.get("next_group", self.next_group))
-        queued = [[trajectory_from_dict(d) for d in group] for group in state.get("queued", [])]
-        requeued = [int(i) for i in state.get("requeued", [])]
+        queued, requeued = held_groups(state)
         self.ready.extend(queued)
         self.pending.extendleft(reversed(requeued))
         self.controller.stats.admitted += len(queued) + len(requeued)
