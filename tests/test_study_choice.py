@@ -85,6 +85,15 @@ def test_the_best_arm_per_k_is_read_at_each_arms_own_rate(tmp_path):
     assert d.mean == pytest.approx(-0.01) and d.n == 3 and d.low < 0 < d.high and at16.within_noise("a")
 
 
+def test_the_best_arm_is_ranked_over_the_runs_all_arms_have():
+    # a's third run is easy (0.9): over its own runs a averages 0.6667 > b's 0.56, but on the two runs both have
+    # b (0.55, 0.57) beats a (0.55, 0.55)
+    setting = Setting("toy", "3e-4", {"3e-4": {("a", 0): dict(zip(RUNS, (0.55, 0.55, 0.90), strict=True)),
+                                               ("b", 0): dict(zip(RUNS[:2], (0.55, 0.57), strict=True))}})
+    comparison = compare(setting, ["a", "b"], 0)
+    assert comparison.best == "b" and comparison.to_best["a"].mean == pytest.approx(-0.01)
+
+
 def test_the_table_names_the_picked_rate_and_who_holds_everywhere(tmp_path, capsys):
     spec_path = setting_dirs(tmp_path)
     (setting,) = load_settings(json.loads(spec_path.read_text()), tmp_path)

@@ -7,9 +7,11 @@ its cells) and the setting's reference rate. For each arm the rate is picked on 
 runs would pick it: each tried rate's paired difference in late held-out accuracy from the reference rate, over the
 runs (warm start x seed) both have; the largest positive mean wins, the reference when none is positive; a rate
 compared on fewer than :data:`MIN_PROBE_RUNS` runs is shown but never picked. The arm's row then reads its cells at
-that rate. Per (setting, k) the best arm is the highest mean there; every other arm is compared with it by the paired
-difference over their common runs (95% Student-t interval), "within noise" when the interval holds 0. An arm holds
-everywhere when at every (setting, k) where it ran it is the best or within noise of it. Nothing is tuned, only read.
+that rate. Per (setting, k) the best arm is the highest mean over the runs every arm there has (each arm's own runs
+when they share none), so that no arm is best by having more or easier runs; every other arm is compared with it by
+the paired difference over their common runs (95% Student-t interval), "within noise" when the interval holds 0. An
+arm holds everywhere when at every (setting, k) where it ran it is the best or within noise of it. Nothing is tuned,
+only read.
 """
 
 from __future__ import annotations
@@ -99,12 +101,15 @@ def load_settings(spec: dict, root: Path) -> list[Setting]:
 
 
 def compare(setting: Setting, arms: list[str], k: int) -> Comparison | None:
-    """The best arm at k (each at its picked rate) and the others' paired differences to it; None if none ran."""
+    """The best arm at k (each at its picked rate, ranked over the runs all of them have) and the others' paired
+    differences to it; None if none ran."""
     at = {arm: setting.runs(setting.pick_rate(arm)[0], arm, k) for arm in arms}
     at = {arm: runs for arm, runs in at.items() if runs}
     if not at:
         return None
-    best = max(at, key=lambda arm: statistics.fmean(at[arm].values()))
+    common = set.intersection(*(set(runs) for runs in at.values()))
+    best = max(at, key=lambda arm: statistics.fmean(at[arm][run] for run in common) if common
+               else statistics.fmean(at[arm].values()))
     return Comparison(k, best, {arm: paired_difference(runs, at[best]) for arm, runs in at.items() if arm != best})
 
 
