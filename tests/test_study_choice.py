@@ -77,12 +77,12 @@ def test_the_best_arm_per_k_is_read_at_each_arms_own_rate(tmp_path):
     assert at0.best == "a"
     d = at0.to_best["b"]
     assert d.mean == pytest.approx(-0.11) and d.high == pytest.approx(-0.11 + 4.303 * 0.01 / 3**0.5)
-    assert not at0.within_noise("b")
+    assert at0.verdict("b") == "below" and at0.verdict("a") == "best"
     at16 = compare(setting, ["a", "b"], 16)
     # b at 3e-4: 0.605, 0.606, 0.607; a at 1e-4: 0.555, 0.596, 0.637 (mean 0.596): a - b = -0.05, -0.01, +0.03
     assert at16.best == "b"
     d = at16.to_best["a"]
-    assert d.mean == pytest.approx(-0.01) and d.n == 3 and d.low < 0 < d.high and at16.within_noise("a")
+    assert d.mean == pytest.approx(-0.01) and d.n == 3 and d.low < 0 < d.high and at16.verdict("a") == "within"
 
 
 def test_the_best_arm_is_ranked_over_the_runs_all_arms_have():
@@ -92,6 +92,14 @@ def test_the_best_arm_is_ranked_over_the_runs_all_arms_have():
                                                ("b", 0): dict(zip(RUNS[:2], (0.55, 0.57), strict=True))}})
     comparison = compare(setting, ["a", "b"], 0)
     assert comparison.best == "b" and comparison.to_best["a"].mean == pytest.approx(-0.01)
+
+
+def test_one_common_run_tells_nothing():
+    setting = Setting("toy", "3e-4", {"3e-4": {("a", 0): {RUNS[0]: 0.5}, ("b", 0): {RUNS[0]: 0.6}}})
+    comparison = compare(setting, ["a", "b"], 0)
+    assert comparison.verdict("a") == "unknown"
+    text = render([setting], ["a", "b"], [0])
+    assert "a -0.100 (1) (unknown)" in text and "- a: yes (too few runs to tell at toy k = 0)" in text
 
 
 def test_the_table_names_the_picked_rate_and_who_holds_everywhere(tmp_path, capsys):

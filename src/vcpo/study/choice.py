@@ -9,8 +9,9 @@ runs (warm start x seed) both have; the largest positive mean wins, the referenc
 compared on fewer than :data:`MIN_PROBE_RUNS` runs is shown but never picked. The arm's row then reads its cells at
 that rate. Per (setting, k) the best arm is the highest mean over the runs every arm there has (each arm's own runs
 when they share none), so that no arm is best by having more or easier runs; every other arm is compared with it by
-the paired difference over their common runs (95% Student-t interval), "within noise" when the interval holds 0. An
-arm holds everywhere when at every (setting, k) where it ran it is the best or within noise of it. Nothing is tuned,
+the paired difference over their common runs (95% Student-t interval), "within noise" when the interval holds 0
+("unknown" on fewer than two common runs). An arm holds everywhere when at every (setting, k) where it ran it is
+the best or within noise of it; where it is unknown is listed beside. Nothing is tuned,
 only read.
 """
 
@@ -65,9 +66,14 @@ class Comparison:
     best: str
     to_best: dict[str, Interval | None]
 
-    def within_noise(self, arm: str) -> bool:
+    def verdict(self, arm: str) -> str:
+        """``best``, ``within`` (the paired interval holds 0), ``below`` or ``unknown`` (fewer than two common runs)."""
+        if arm == self.best:
+            return "best"
         d = self.to_best.get(arm)
-        return arm == self.best or (d is not None and d.n > 1 and d.low <= 0 <= d.high)
+        if d is None or d.n < 2:
+            return "unknown"
+        return "within" if d.low <= 0 <= d.high else "below"
 
 
 def read_cells(directory: Path, pattern: str = "*") -> dict[tuple[str, int], dict[Run, float]]:
@@ -126,7 +132,7 @@ def render(settings: list[Setting], arms: list[str], ks: list[int]) -> str:
     """The markdown: per setting a table (arm, picked rate with the probe, late accuracy at each k), the best arm per
     k with the others' paired differences, then which arms hold everywhere."""
     lines: list[str] = []
-    gaps: dict[str, list[str]] = {arm: [] for arm in arms}
+    gaps: dict[str, list[str]] = {name: [] for arm in arms for name in (arm, f"{arm}?")}
     ran: dict[str, bool] = {arm: False for arm in arms}
     for setting in settings:
         header = "| arm | rate (k = 0 probe: each rate minus the reference) | " + " | ".join(f"k = {k}" for k in ks)
@@ -146,17 +152,19 @@ def render(settings: list[Setting], arms: list[str], ks: list[int]) -> str:
                 continue
             parts = []
             for arm, d in comparison.to_best.items():
-                ok = comparison.within_noise(arm)
-                parts.append(f"{arm} {_fmt(d, signed=True)}{'' if ok else ' (below)'}")
-                if not ok:
-                    gaps[arm].append(f"{setting.name} k = {k}")
+                verdict = comparison.verdict(arm)
+                parts.append(f"{arm} {_fmt(d, signed=True)}{'' if verdict == 'within' else f' ({verdict})'}")
+                if verdict in ("below", "unknown"):
+                    gaps[arm if verdict == "below" else f"{arm}?"].append(f"{setting.name} k = {k}")
             for arm in [comparison.best, *comparison.to_best]:
                 ran[arm] = True
             lines.append(f"- k = {k}: best **{comparison.best}**; the others minus it: " + "; ".join(parts))
         lines.append("")
     lines += ["### Best or within noise of the best at every setting and k where it ran", ""]
-    lines += [f"- {arm}: " + ("yes" if not gaps[arm] else "no, below at " + ", ".join(gaps[arm]))
-              for arm in arms if ran[arm]]
+    for arm in (arm for arm in arms if ran[arm]):
+        verdict = "yes" if not gaps[arm] else "no, below at " + ", ".join(gaps[arm])
+        unknown = f" (too few runs to tell at {', '.join(gaps[arm + '?'])})" if gaps[arm + "?"] else ""
+        lines.append(f"- {arm}: {verdict}{unknown}")
     return "\n".join(lines) + "\n"
 
 
