@@ -100,6 +100,8 @@ def test_one_common_run_tells_nothing():
     assert comparison.verdict("a") == "unknown"
     text = render([setting], ["a", "b"], [0])
     assert "a -0.100 (1) (unknown)" in text and "- a: yes (too few runs to tell at toy k = 0)" in text
+    alone = Setting("toy", "3e-4", {"3e-4": {("a", 16): {RUNS[0]: 0.5}, ("a", 0): {RUNS[0]: 0.5}}})
+    assert "- k = 16: best **a** (the only arm run at its rate)" in render([alone], ["a", "b"], [16])
 
 
 def test_the_table_names_the_picked_rate_and_who_holds_everywhere(tmp_path, capsys):

@@ -158,7 +158,8 @@ def render(settings: list[Setting], arms: list[str], ks: list[int]) -> str:
                     gaps[arm if verdict == "below" else f"{arm}?"].append(f"{setting.name} k = {k}")
             for arm in [comparison.best, *comparison.to_best]:
                 ran[arm] = True
-            lines.append(f"- k = {k}: best **{comparison.best}**; the others minus it: " + "; ".join(parts))
+            others = "; the others minus it: " + "; ".join(parts) if parts else " (the only arm run at its rate)"
+            lines.append(f"- k = {k}: best **{comparison.best}**{others}")
         lines.append("")
     lines += ["### Best or within noise of the best at every setting and k where it ran", ""]
     for arm in (arm for arm in arms if ran[arm]):
