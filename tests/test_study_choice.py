@@ -17,8 +17,9 @@ RUNS = [("w0", 0), ("w0", 1), ("w1", 0)]
 def write_cell(root: Path, arm: str, k: int, warm: str, seed: int, late: float) -> None:
     """A finished cell whose last three evaluations average to ``late`` (late - 0.01, late, late + 0.01), after an
     earlier evaluation that the late mean must not read."""
-    cell = root / f"{arm}_k{k}_{warm}_s{seed}"
+    cell = root / "cells" / f"{arm}_k{k}_{warm}_s{seed}"
     cell.mkdir(parents=True)
+    (cell / "config.yaml").write_text(f"seed: {seed}\nasync: {{max_staleness: {k}}}\n")
     evals = [0.0, late - 0.01, late, late + 0.01]
     records = [{"step": 25 * (i + 1), "eval/accuracy": acc} for i, acc in enumerate(evals)]
     records[0]["eval/accuracy_initial"] = 0.3

@@ -2,7 +2,7 @@
 rate (issue 46; `benchmarks/staleness/what_to_use.py` prints the table of RESULTS.md "What should I use under
 staleness?").
 
-A spec (JSON) names, per setting, the cell directories at each learning rate (``DIR``, or ``DIR::GLOB`` for some of
+A spec (JSON) names, per setting, the sweep directories at each learning rate (``DIR``, or ``DIR::GLOB`` for some of
 its cells) and the setting's reference rate. For each arm the rate is picked on k = 0 alone, as a user without stale
 runs would pick it: each tried rate's paired difference in late held-out accuracy from the reference rate, over the
 runs (warm start x seed) both have; the largest positive mean wins, the reference when none is positive; a rate
@@ -21,10 +21,10 @@ import argparse
 import json
 import statistics
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 
-from vcpo.study.provenance import CELL_FILE
-from vcpo.study.report import summarize_cell
+from vcpo.study.report import load_cells
 from vcpo.study.stats import Interval, paired_difference, t_interval
 
 Run = tuple[str | None, int]
@@ -73,22 +73,18 @@ class Comparison:
         d = self.to_best.get(arm)
         if d is None or d.n < 2:
             return "unknown"
-        return "within" if d.low <= 0 <= d.high else "below"
+        return "below" if d.excludes_zero() else "within"
 
 
-def read_cells(directory: Path, pattern: str = "*") -> dict[tuple[str, int], dict[Run, float]]:
-    """``(arm, k) -> run -> late accuracy`` of the finished cells under ``directory`` matching ``pattern``."""
-    if not directory.is_dir():
-        raise FileNotFoundError(f"{directory}: no such cell directory")
+def read_cells(sweep_dir: Path, pattern: str = "*") -> dict[tuple[str, int], dict[Run, float]]:
+    """``(arm, k) -> run -> late accuracy`` of the finished cells of a sweep directory whose names match ``pattern``
+    (read by :func:`vcpo.study.report.load_cells`)."""
+    if not (sweep_dir / "cells").is_dir():
+        raise FileNotFoundError(f"{sweep_dir}: no such cell directory ({sweep_dir}/cells)")
     out: dict[tuple[str, int], dict[Run, float]] = {}
-    for summary in sorted(directory.glob(f"{pattern}/summary.json")):
-        if not (summary.parent / CELL_FILE).is_file():
-            raise FileNotFoundError(f"{summary.parent}: no {CELL_FILE} (arm, k, warm start, seed): leave it out")
-        cell = json.loads((summary.parent / CELL_FILE).read_text())
-        late = summarize_cell(summary.parent)["late_accuracy"]
-        if late is not None:
-            warm = cell["warm_start"]["id"] if cell.get("warm_start") else None
-            out.setdefault((cell["arm"], cell["k"]), {})[(warm, cell["seed"])] = late
+    for cell in load_cells(sweep_dir)[0]:
+        if fnmatch(cell["name"], pattern) and cell["late_accuracy"] is not None:
+            out.setdefault((cell["arm"], cell["k"]), {})[(cell["warm_start"], cell["seed"])] = cell["late_accuracy"]
     return out
 
 
