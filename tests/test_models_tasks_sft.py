@@ -51,6 +51,16 @@ def test_problems_are_deterministic_per_seed(task):
     assert int(first[0].answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
 
 
+def test_decimal_sums_keep_only_the_expression():
+    # issue 46's held-out setting: decimal_chain_sum reads like chain_sum ("7.8 + 6.1 = "), its answer the value
+    task = ReasoningGymTask("decimal_chain_sum", min_terms=2, max_terms=2, min_digits=1, max_digits=1,
+                            min_decimal_places=1, max_decimal_places=1)
+    for problem in task.problems("eval", 20, seed=0):
+        a, op, b = problem.prompt.removesuffix(" = ").split(" ")
+        assert float(problem.answer) == pytest.approx(float(a) + float(b) if op == "+" else float(a) - float(b))
+        assert task.reward(problem, problem.answer) == 1.0
+
+
 def test_train_and_eval_never_share_seeds_or_prompts(task):
     assert generator_seed("chain_sum", "train", 0) != generator_seed("chain_sum", "eval", 0)
     train = {p.prompt for p in task.problems("train", 300, seed=0)}

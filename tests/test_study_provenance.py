@@ -12,7 +12,7 @@ import yaml
 
 from vcpo.models.default import DEFAULT_ARCHITECTURE
 from vcpo.study.export import export_sweep, rounded
-from vcpo.study.grids import STUDY2, STUDY4, WarmStartPin
+from vcpo.study.grids import HELDOUT, STUDY2, STUDY4, WarmStartPin
 from vcpo.study.provenance import git_state, metrics_digest, warm_start_hash
 from vcpo.study.report import ReportError, write_report
 from vcpo.study.rerun import compare_metrics
@@ -69,13 +69,17 @@ LARGE_SHAPE = {"hidden_size": 256, "num_layers": 6, "num_heads": 8, "intermediat
 
 
 @pytest.mark.parametrize(("grid", "shape", "params"), [(STUDY2, DEFAULT_SHAPE, 439_808),
-                                                       (STUDY4, LARGE_SHAPE, 5_141_504)], ids=["study2", "study4"])
+                                                       (STUDY4, LARGE_SHAPE, 5_141_504),
+                                                       (HELDOUT, DEFAULT_SHAPE, 439_808)],
+                         ids=["study2", "study4", "heldout"])
 def test_committed_warm_starts_match_their_pins_and_the_recipe(grid, shape, params):
-    """Each pinned warm start: its hash, study2's SFT recipe with sft.seed = its index, its model's shape (study4:
-    11.7x the default's parameters). study2's predate sft.architecture: their sft.json has no such entry."""
+    """Each pinned warm start: its hash, its grid's SFT recipe (study2's for study4) with sft.seed = its index, its
+    model's shape (study4: 11.7x the default's parameters). study2's predate sft.architecture: their sft.json has no
+    such entry."""
     from safetensors.torch import load_file
 
-    config = yaml.safe_load(STUDY_CONFIG.read_text())
+    recipe_config = STUDY_CONFIG if grid is STUDY4 else ROOT / grid.base_config
+    config = yaml.safe_load(recipe_config.read_text())
     for i, (ws, pin) in enumerate(grid.warm_starts.items()):
         path = ROOT / pin.path
         assert warm_start_hash(path) == pin.sha, f"{pin.path} changed: a new warm start needs a new pin"

@@ -273,7 +273,8 @@ def sweep(
     grid: Annotated[str, typer.Option("--grid", help="A named grid: study2 (the staleness study), "
                                       "study3 (the staleness study on the multi-turn tool task), "
                                       "study2_mismatch (study2 with a simulated sampler/learner mismatch), study4 "
-                                      "(study2 at a 5.1M-parameter model), study1 (issue 5's), quick.")] = "study2",
+                                      "(study2 at a 5.1M-parameter model), heldout (decimal sums, where issue 46's "
+                                      "recommendation is tested), study1 (issue 5's), quick.")] = "study2",
     quick: Annotated[bool, typer.Option("--quick", help="Same as --grid quick (< 10 minutes).")] = False,
     workers: Annotated[int, typer.Option("--workers", help="Cells run at once.")] = 2,
     arms: Annotated[str | None, typer.Option("--arms", help="Comma-separated arms (default: the grid's).")] = None,

@@ -133,5 +133,14 @@ STUDY4 = Grid(arms=["grpo", "vcpo", "vcpo_gonly", "vespo"], ks=[0, 16, 64], seed
               base_config="configs/staleness_study.yaml", overrides=[],
               warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts_large/w0", "1184fdc84235ba47"),
                            "w1": WarmStartPin("benchmarks/staleness/warm_starts_large/w1", "12fd071420e7ec92")})
+# heldout (issue 46, item 4): the setting the recommendation is tested on, written down before it ran
+# (benchmarks/staleness/heldout/PREDICTION.md): configs/heldout_decimals.yaml, reasoning-gym decimal_chain_sum with
+# two 1-digit terms of one decimal place at the 0.44M model, 300 steps. Pinned warm starts: 700 SFT steps of seeds 0
+# and 1 (held-out 0.620 and 0.668; benchmarks/staleness/warm_starts_decimals/). 4 arms x 3 k x 2 seeds x 2 warm
+# starts = 48 cells at study2's cost (about 70 CPU-s a cell), plus the k = 0 rate probe (trainer.lr=1e-4).
+HELDOUT = Grid(arms=["grpo", "vespo", "vcpo_gonly", "vespo_vc"], ks=[0, 16, 64], seeds=[0, 1],
+               base_config="configs/heldout_decimals.yaml", overrides=[],
+               warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts_decimals/w0", "bcf25d73ac7a1c12"),
+                            "w1": WarmStartPin("benchmarks/staleness/warm_starts_decimals/w1", "aee5ba6ad882355d")})
 GRIDS = {"study2": STUDY2, "study3": STUDY3, "study1": STUDY1, "quick": QUICK, "study2_mismatch": STUDY2_MISMATCH,
-         "study4": STUDY4}
+         "study4": STUDY4, "heldout": HELDOUT}

@@ -22,7 +22,7 @@ from vcpo.types import Problem
 
 # Datasets whose question is a verbose wrapper around ``metadata["expression"]``: the prompt keeps only
 # the expression, so a tiny character-level model reads a few characters instead of a sentence.
-EXPRESSION_ONLY = frozenset({"chain_sum", "basic_arithmetic"})
+EXPRESSION_ONLY = frozenset({"chain_sum", "basic_arithmetic", "decimal_chain_sum"})
 ANSWER_CUE = "Answer: "
 _MAX_DRAWS_PER_PROBLEM = 50  # how hard to look for problems of one split before declaring the split empty
 AUTO_REWARD_SAMPLE = 64  # answers drawn to decide task.reward=auto
