@@ -73,13 +73,12 @@ LARGE_SHAPE = {"hidden_size": 256, "num_layers": 6, "num_heads": 8, "intermediat
                                                        (HELDOUT, DEFAULT_SHAPE, 439_808)],
                          ids=["study2", "study4", "heldout"])
 def test_committed_warm_starts_match_their_pins_and_the_recipe(grid, shape, params):
-    """Each pinned warm start: its hash, its grid's SFT recipe (study2's for study4) with sft.seed = its index, its
+    """Each pinned warm start: its hash, its grid's SFT recipe (its base config) with sft.seed = its index, its
     model's shape (study4: 11.7x the default's parameters). study2's predate sft.architecture: their sft.json has no
     such entry."""
     from safetensors.torch import load_file
 
-    recipe_config = STUDY_CONFIG if grid is STUDY4 else ROOT / grid.base_config
-    config = yaml.safe_load(recipe_config.read_text())
+    config = yaml.safe_load((ROOT / grid.base_config).read_text())
     for i, (ws, pin) in enumerate(grid.warm_starts.items()):
         path = ROOT / pin.path
         assert warm_start_hash(path) == pin.sha, f"{pin.path} changed: a new warm start needs a new pin"

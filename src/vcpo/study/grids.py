@@ -137,7 +137,7 @@ STUDY4 = Grid(arms=["grpo", "vcpo", "vcpo_gonly", "vespo"], ks=[0, 16, 64], seed
 # (benchmarks/staleness/heldout/PREDICTION.md): configs/heldout_decimals.yaml, reasoning-gym decimal_chain_sum with
 # two 1-digit terms of one decimal place at the 0.44M model, 300 steps. Pinned warm starts: 700 SFT steps of seeds 0
 # and 1 (held-out 0.620 and 0.668; benchmarks/staleness/warm_starts_decimals/). 4 arms x 3 k x 2 seeds x 2 warm
-# starts = 48 cells at study2's cost (about 70 CPU-s a cell), plus the k = 0 rate probe (trainer.lr=1e-4).
+# starts = 48 cells of 1.5-2 minutes with 2 workers on the 2-core VM, plus the k = 0 rate probe (trainer.lr=1e-4).
 HELDOUT = Grid(arms=["grpo", "vespo", "vcpo_gonly", "vespo_vc"], ks=[0, 16, 64], seeds=[0, 1],
                base_config="configs/heldout_decimals.yaml", overrides=[],
                warm_starts={"w0": WarmStartPin("benchmarks/staleness/warm_starts_decimals/w0", "bcf25d73ac7a1c12"),
