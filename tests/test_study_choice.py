@@ -111,7 +111,10 @@ def test_the_table_names_the_picked_rate_and_who_holds_everywhere(tmp_path, caps
     text = render([setting], ["a", "b"], [0, 16])
     assert "| a | **1e-4** (1e-4: +0.060" in text and "1e-3: +0.200 (1)" in text
     assert "| b | **3e-4** (one rate tried) | 0.450 [0.450, 0.450] (3) |" in text
-    assert "- a: yes" in text and "- b: no, below at toy k = 0" in text
+    # a is within noise of b at k = 16 on a - b = -0.05, -0.01, +0.03: sd 0.04, half-width 4.303 * 0.04 / sqrt(3)
+    # = 0.0994, so the interval still allows a loss of 0.01 + 0.0994 = 0.109
+    assert "- a: yes; within noise allows a loss of up to 0.109 (toy k = 16)" in text
+    assert "- b: no, below at toy k = 0\n" in text
     main([str(spec_path)])
     assert capsys.readouterr().out == text
 

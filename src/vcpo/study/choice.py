@@ -11,8 +11,9 @@ that rate. Per (setting, k) the best arm is the highest mean over the runs every
 when they share none), so that no arm is best by having more or easier runs; every other arm is compared with it by
 the paired difference over their common runs (95% Student-t interval), "within noise" when the interval holds 0
 ("unknown" on fewer than two common runs). An arm holds everywhere when at every (setting, k) where it ran it is
-the best or within noise of it; where it is unknown is listed beside. Nothing is tuned,
-only read.
+the best or within noise of it; where it is unknown is listed beside, and so is the largest loss to the best that its
+"within noise" intervals still allow (their lowest bound): "within noise" on few or noisy runs is weak evidence, and
+that bound says how weak. Nothing is tuned, only read.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def render(settings: list[Setting], arms: list[str], ks: list[int]) -> str:
     lines: list[str] = []
     gaps: dict[str, list[str]] = {name: [] for arm in arms for name in (arm, f"{arm}?")}
     ran: dict[str, bool] = {arm: False for arm in arms}
+    worst: dict[str, tuple[float, str]] = {}  # arm -> (lowest bound of a "within" interval, where)
     for setting in settings:
         header = "| arm | rate (k = 0 probe: each rate minus the reference) | " + " | ".join(f"k = {k}" for k in ks)
         lines += [f"### {setting.name}", "", header + " |", "|---|---|" + "---|" * len(ks)]
@@ -152,6 +154,8 @@ def render(settings: list[Setting], arms: list[str], ks: list[int]) -> str:
                 parts.append(f"{arm} {_fmt(d, signed=True)}{'' if verdict == 'within' else f' ({verdict})'}")
                 if verdict in ("below", "unknown"):
                     gaps[arm if verdict == "below" else f"{arm}?"].append(f"{setting.name} k = {k}")
+                elif d.low < worst.get(arm, (0.0, ""))[0]:
+                    worst[arm] = (d.low, f"{setting.name} k = {k}")
             for arm in [comparison.best, *comparison.to_best]:
                 ran[arm] = True
             others = "; the others minus it: " + "; ".join(parts) if parts else " (the only arm run at its rate)"
@@ -161,7 +165,9 @@ def render(settings: list[Setting], arms: list[str], ks: list[int]) -> str:
     for arm in (arm for arm in arms if ran[arm]):
         verdict = "yes" if not gaps[arm] else "no, below at " + ", ".join(gaps[arm])
         unknown = f" (too few runs to tell at {', '.join(gaps[arm + '?'])})" if gaps[arm + "?"] else ""
-        lines.append(f"- {arm}: {verdict}{unknown}")
+        allows = (f"; within noise allows a loss of up to {-worst[arm][0]:.3f} ({worst[arm][1]})"
+                  if not gaps[arm] and arm in worst else "")
+        lines.append(f"- {arm}: {verdict}{unknown}{allows}")
     return "\n".join(lines) + "\n"
 
 
