@@ -106,6 +106,46 @@ def test_pause_in_wait_mode_lets_the_running_batch_finish(served):
         batcher.resume()
 
 
+class _SlowReleaseLock:
+    """A lock whose release lingers before returning: it widens the window between the end of a batch and the next
+    line of the batcher's loop, where a waiting ``pause`` wakes up."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+
+    def acquire(self, *args, **kwargs) -> bool:
+        return self._lock.acquire(*args, **kwargs)
+
+    def release(self) -> None:
+        self._lock.release()
+        time.sleep(0.3)
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
+def test_pause_returns_only_after_the_running_batch_delivered_its_results(model_dir):
+    # CI once saw pause(abort=False) return with the batch's future still pending on a loaded machine: the engine
+    # lock was released before the results were set. A lock that lingers after its release makes that order certain.
+    model, tokenizer = load_policy(model_dir)
+    batcher = Batcher(HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id))
+    try:
+        batcher._engine_lock = _SlowReleaseLock()
+        future = batcher.submit([[5, 6]], BatchKey(1.0, 1.0, max_tokens=20, greedy=True, seed=None))
+        while not batcher.generating and not future.done():
+            time.sleep(0.001)
+        batcher.pause(abort=False)
+        assert future.done() and len(future.result()[0].token_ids) == 20
+    finally:
+        batcher.close()
+
+
 def test_update_weights_changes_version_and_rejects_a_bad_directory_whole(served, tmp_path):
     client, batcher, model = served
     good = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: stored once

@@ -109,7 +109,7 @@ class Batcher:
 
     def pause(self, abort: bool = True) -> None:
         """Start no batch; ``abort`` stops the running one at its next decode step, else it runs to its end.
-        Returns once no batch is running."""
+        Returns once no batch is running and the last one's results are delivered."""
         with self._cond:
             self._paused = True
             self._abort = abort
@@ -159,19 +159,23 @@ class Batcher:
         while (batch := self._take_batch()) is not None:  # the engine lock comes with the batch
             self.generating = True
             try:
-                segments = self._run(batch)
-            except Exception as exc:  # the requests get the error; the server keeps serving
-                for request in batch:
-                    request.future.set_exception(exc)
-                continue
-            finally:
+                self._deliver(batch)
+            finally:  # after the results are set: a pause that waits on the lock sees the batch's futures done
                 self.generating = False
                 self._engine_lock.release()
-            self.batches += 1
-            start = 0
+
+    def _deliver(self, batch: list[_Request]) -> None:
+        try:
+            segments = self._run(batch)
+        except Exception as exc:  # the requests get the error; the server keeps serving
             for request in batch:
-                request.future.set_result(segments[start : start + len(request.prompts)])
-                start += len(request.prompts)
+                request.future.set_exception(exc)
+            return
+        self.batches += 1
+        start = 0
+        for request in batch:
+            request.future.set_result(segments[start : start + len(request.prompts)])
+            start += len(request.prompts)
 
     def _run(self, batch: list[_Request]) -> list[Segment]:
         key = batch[0].key
