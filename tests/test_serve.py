@@ -4,6 +4,7 @@ in-flight rows, weight updates validated before anything changes, and no malform
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -26,10 +27,15 @@ def model_dir(tmp_path_factory):
     return save_tiny_policy(tmp_path_factory.mktemp("policy"))
 
 
+def new_batcher(model_dir):
+    model, tokenizer = load_policy(model_dir)
+    engine = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    return Batcher(engine), model, tokenizer
+
+
 @pytest.fixture(scope="module")
 def served(model_dir):
-    model, tokenizer = load_policy(model_dir)
-    batcher = Batcher(HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id))
+    batcher, model, tokenizer = new_batcher(model_dir)
     with TestClient(create_app(batcher, tokenizer, "tiny", 256)) as client:
         yield client, batcher, model
     batcher.close()
@@ -111,8 +117,6 @@ class _SlowReleaseLock:
     line of the batcher's loop, where a waiting ``pause`` wakes up."""
 
     def __init__(self) -> None:
-        import threading
-
         self._lock = threading.Lock()
 
     def acquire(self, *args, **kwargs) -> bool:
@@ -133,8 +137,7 @@ class _SlowReleaseLock:
 def test_pause_returns_only_after_the_running_batch_delivered_its_results(model_dir):
     # CI once saw pause(abort=False) return with the batch's future still pending on a loaded machine: the engine
     # lock was released before the results were set. A lock that lingers after its release makes that order certain.
-    model, tokenizer = load_policy(model_dir)
-    batcher = Batcher(HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id))
+    batcher, _, _ = new_batcher(model_dir)
     try:
         batcher._engine_lock = _SlowReleaseLock()
         future = batcher.submit([[5, 6]], BatchKey(1.0, 1.0, max_tokens=20, greedy=True, seed=None))
