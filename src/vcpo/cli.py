@@ -43,13 +43,13 @@ def _quiet_libraries() -> None:
 
 
 def _load(config: Path | None, overrides: list[str] | None, resume: Path | None = None):
-    from vcpo.config import ConfigError, load_config
+    from vcpo.config import ConfigError, load_config, load_run_config
 
     if resume is not None:
         saved = resume / "config.yaml"
         if not saved.is_file():
             raise ConfigError(f"--resume {str(resume)!r}: no config.yaml there (not a run directory)")
-        return load_config(saved, [*(overrides or []), f"run_dir={resume}"])
+        return load_run_config(saved, [*(overrides or []), f"run_dir={resume}"])
     return load_config(config, overrides)  # no -c: the built-in defaults plus the overrides
 
 

@@ -125,7 +125,10 @@ def show(config: Config, source: str) -> str:
     """Every key of ``config``: ``key: value`` (with the default when they differ), its description below."""
     _, keys = reference()
     values = config.to_dict()
-    changed = sum(value_at(values, k.dotted) != k.default for k in keys)
+    # Under ``recipe: paper`` the keys it fills default to the paper's values (objective.name: vcpo), not stable's.
+    recipe_defaults = Config(recipe=config.recipe).to_dict()
+    default = {k.dotted: k.default if k.dotted == "recipe" else value_at(recipe_defaults, k.dotted) for k in keys}
+    changed = sum(value_at(values, k.dotted) != default[k.dotted] for k in keys)
     lines = [f"# {source}: {len(keys)} keys, {changed} set to other values than the defaults (marked *)"]
     previous = None
     for key in keys:
@@ -133,8 +136,8 @@ def show(config: Config, source: str) -> str:
             lines.append("")
             previous = key.section
         value = value_at(values, key.dotted)
-        differs = value != key.default
-        mark = f"  * default {format_value(key.default)}" if differs else "  (default)"
+        differs = value != default[key.dotted]
+        mark = f"  * default {format_value(default[key.dotted])}" if differs else "  (default)"
         lines.append(f"{key.dotted}: {format_value(value)}{mark}")
         lines.extend(textwrap.wrap(f"{key.description} [{key.type}]", width=100, initial_indent="    ",
                                    subsequent_indent="    "))

@@ -18,6 +18,7 @@ from vcpo.config.loader import (
     apply_overrides,
     config_from_dict,
     load_config,
+    load_run_config,
     parse_overrides,
     save_config,
 )
@@ -33,4 +34,4 @@ __all__ = ["KWARGS_OF_NAME", "AdvantageConfig", "AlarmRule", "ArchitectureConfig
            "Config", "ConfigError", "ESSLRConfig", "HealthConfig", "LaunchConfig", "LoggingConfig", "LoraConfig",
            "ModelConfig", "ObjectiveConfig", "RayConfig", "ReplayConfig", "RolloutConfig", "RuntimeConfig",
            "SFTConfig", "ServerConfig", "TaskConfig", "TrainerConfig", "apply_overrides", "config_from_dict",
-           "load_config", "parse_overrides", "save_config"]
+           "load_config", "load_run_config", "parse_overrides", "save_config"]

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from vcpo.config.base import ConfigError
+from vcpo.config.recipe import recipe_default
 from vcpo.config.root import Config
 from vcpo.errors import DiskError
 
@@ -82,7 +83,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> list[str]:
         names = [value for key, value in parsed if key == name_key]
         current = _get_dotted(tree, name_key)
         if current is None:
-            current = _section_of(section).model_fields[field].default
+            current = recipe_default(tree, name_key) or _section_of(section).model_fields[field].default
         if names and names[-1] != current and isinstance(tree.get(section), dict):
             dropped = tree[section].pop(kwargs_key.split(".")[1], None)
             if dropped:
@@ -131,20 +132,34 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     """Read a YAML config (or start from defaults), apply dotted overrides, validate. Kwargs an override of
     ``task.name`` / ``objective.name`` dropped are said in one warning line each on the ``vcpo.config`` logger (on
     stderr when nothing configured logging), after validation, so that a bad config still fails in one line."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            where = _yaml_where(exc)
-            raise ConfigError(f"config file {str(p)!r}{where} is not valid YAML: {_yaml_problem(exc)}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config file {str(p)!r} cannot be read: {exc}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return _validated({} if path is None else _read(Path(path)), overrides)
+
+
+def load_run_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """``load_config`` for the config.yaml a run saved (``--resume``, ``vcpo rerun``). One saved before ``recipe``
+    existed has no ``recipe`` key and was run with the defaults of its time, the ``paper`` recipe's: it gets them
+    back, so an old run resumes and reruns as it ran."""
+    tree = _read(Path(path))
+    tree.setdefault("recipe", "paper")
+    return _validated(tree, overrides)
+
+
+def _read(p: Path) -> dict[str, Any]:
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        tree = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        where = _yaml_where(exc)
+        raise ConfigError(f"config file {str(p)!r}{where} is not valid YAML: {_yaml_problem(exc)}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {exc}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return tree
+
+
+def _validated(tree: dict[str, Any], overrides: list[str] | None) -> Config:
     notes = apply_overrides(tree, overrides or [])
     config = config_from_dict(tree)
     for note in notes:

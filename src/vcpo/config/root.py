@@ -10,6 +10,7 @@ from vcpo.config.asynchrony import AsyncConfig, RayConfig
 from vcpo.config.base import _Strict
 from vcpo.config.model import ModelConfig, SFTConfig
 from vcpo.config.objective import AdvantageConfig, ObjectiveConfig
+from vcpo.config.recipe import DEFAULT_RECIPE, Recipe, fill_recipe
 from vcpo.config.rollout import RolloutConfig
 from vcpo.config.runtime import LoggingConfig, RuntimeConfig
 from vcpo.config.task import TaskConfig
@@ -26,6 +27,11 @@ from vcpo.objective_specs import (
 class Config(_Strict):
     """A run: every key has a default, and the defaults are configs/quickstart.yaml (the README's main command)."""
 
+    recipe: Recipe = DEFAULT_RECIPE
+    """The method for the keys a config leaves out (docs/variance.md, "the stable recipe"): ``stable``, VESPO's
+    kernel with VCPO's controls (objective vespo, OPOB grad_only with logit-proxy norms, ESS learning rate), best or
+    within noise of the best at every setting and staleness the studies measured; ``paper``, VCPO as its paper writes
+    it (objective vcpo, plug-in OPOB with ghost gradient norms, ESS learning rate). Keys the config sets always win."""
     seed: int = 0
     """The run's seed: torch's RNG, the training problem stream, the held-out problems, rollout sampling, and the
     warm start unless sft.seed is set."""
@@ -45,6 +51,12 @@ class Config(_Strict):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True,
                               use_attribute_docstrings=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_recipe(cls, data: Any) -> Any:
+        """The recipe's keys, where the raw config leaves them out (vcpo.config.recipe)."""
+        return fill_recipe(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _objective_hyperparameters(self) -> Config:

@@ -76,7 +76,7 @@ def rerun_cell(cell_dir: str | Path, out_dir: str | Path, steps: int | None = No
     cell's ``cell.json`` names its warm start and hash; a cell without one (written before provenance was
     recorded) reruns from the SFT recipe in its config, cached in the default cache directory.
     """
-    from vcpo.config import load_config
+    from vcpo.config import load_run_config
     from vcpo.loop.trainer import train
 
     cell_dir, out = Path(cell_dir), Path(out_dir)
@@ -93,7 +93,7 @@ def rerun_cell(cell_dir: str | Path, out_dir: str | Path, steps: int | None = No
                  *_model_path(cell_dir, record, Path(model) if model is not None else None)]
     if steps is not None:
         overrides.append(f"trainer.max_steps={steps}")
-    train(load_config(cell_dir / "config.yaml", overrides))
+    train(load_run_config(cell_dir / "config.yaml", overrides))
     rerun = read_metrics(out / "metrics.jsonl")
     result = {"cell": str(cell_dir), "rerun_dir": str(out), "steps": steps or full_steps} | compare_metrics(
         [r for r in committed if r["step"] <= (steps or full_steps)], rerun)
