@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from vcpo.config.base import _Strict
+from vcpo.config.recipe import DEFAULT_RECIPE, RECIPES
 from vcpo.objective_specs import (
     objective_names,
 )
@@ -16,7 +17,7 @@ from vcpo.plugins import PluginError, is_import_path
 class ObjectiveConfig(_Strict):
     """The policy-gradient loss (docs/objectives.md)."""
 
-    name: str = "vespo"
+    name: str = RECIPES[DEFAULT_RECIPE]["objective.name"]
     """A registered objective (reinforce, ppo_clip (grpo), gspo, gspo_token, gmpo, sapo, cispo, tis, mis, icepop,
     m2po, vespo, bapo, topr, tb, vcpo), or ``module.sub:name``: your own objective function by import path
     (docs/extending.md). The default comes from ``recipe`` (``stable``: vespo; ``paper``: vcpo)."""
@@ -53,11 +54,11 @@ class AdvantageConfig(_Strict):
     baseline; ``opob`` VCPO's baseline weighted by importance weight squared times gradient norm squared."""
     opob_weighting: Literal["paper", "authors_code"] = "paper"
     """OPOB's weights: ``paper`` W^2 G; ``authors_code`` W^2 min(W, cap)^2 G, as the authors' released code."""
-    opob_variant: Literal["plugin", "leave_one_out", "grad_only"] = "grad_only"
+    opob_variant: Literal["plugin", "leave_one_out", "grad_only"] = RECIPES[DEFAULT_RECIPE]["advantage.opob_variant"]
     """OPOB's baseline (docs/variance.md; the default comes from ``recipe``: ``stable`` grad_only, ``paper``
     plugin): ``plugin``, the paper's group baseline b_g; ``leave_one_out``, each row's
     baseline over the other rows of its group; ``grad_only``, weights G without W^2. Any variant, either weighting."""
-    grad_norm_method: Literal["exact", "fast", "logit_proxy"] = "logit_proxy"
+    grad_norm_method: Literal["exact", "fast", "logit_proxy"] = RECIPES[DEFAULT_RECIPE]["advantage.grad_norm_method"]
     """How OPOB gets per-trajectory gradient norms (the default comes from ``recipe``: ``stable`` logit_proxy,
     ``paper`` fast): "fast" (one batched backward, ghost norms), "exact" (one
     backward per row, the reference) or "logit_proxy" (the squared norm of the gradient with respect to the logits
