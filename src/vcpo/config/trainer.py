@@ -7,12 +7,13 @@ from typing import Literal
 from pydantic import Field
 
 from vcpo.config.base import _Strict
+from vcpo.config.recipe import DEFAULT_RECIPE, RECIPES
 
 
 class ESSLRConfig(_Strict):
     """The ESS-scaled learning rate (VCPO §8.2): each step's lr is trainer.lr times a scale of the ESS ratio rho."""
 
-    enabled: bool = True
+    enabled: bool = RECIPES[DEFAULT_RECIPE]["trainer.ess_lr.enabled"]
     """Scale the learning rate by the ESS ratio; false = trainer.lr at every step."""
     rule: Literal["sqrt", "linear"] = "sqrt"
     """The scale: ``sqrt`` sqrt(min(1, rho / reference)), ``linear`` min(1, rho / reference)."""
